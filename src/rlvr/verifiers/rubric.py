@@ -1,0 +1,351 @@
+"""Combine reward functions into one scalar reward per trajectory, keeping every component visible.
+
+A `Rubric` is a list of weighted `RewardFunction`s. Scoring a trajectory runs every component and
+returns a `Score` with each component's value, the weighted total and, separately, the errors. A
+function that raises or returns something that is not a finite number is recorded as an error
+and never turned into 0.0: a silent zero would teach the policy that a possibly-correct answer was
+wrong, so the training loop instead leaves such a trajectory out of the update.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType, ModuleType
+from typing import Any, TypeVar
+
+from rlvr.errors import ConfigError
+from rlvr.records import Task, Trajectory
+from rlvr.verifiers.builtin import BUILTIN_REWARDS
+
+__all__ = [
+    "RewardFunction",
+    "Rubric",
+    "Score",
+    "resolve_reward_fn",
+    "trajectory_reward",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Attribute set by @trajectory_reward; kept in a constant so the decorator and the check agree.
+_WANTS_TRAJECTORY = "__rlvr_trajectory_reward__"
+
+# Longest error message kept per component: errors are logged per step and must stay one line.
+_MAX_ERROR_CHARS = 500
+
+
+def trajectory_reward(fn: F) -> F:
+    """Mark `fn` as wanting the whole `Trajectory` (turns, token ids, info) instead of the text.
+
+    Multi-turn and tool-use rewards need more than the final text, e.g. how many tool calls were
+    made or whether the rollout was truncated. The function is called as `fn(trajectory, **kwargs)`.
+    """
+    setattr(fn, _WANTS_TRAJECTORY, True)
+    return fn
+
+
+def _one_line(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= _MAX_ERROR_CHARS else flat[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+def _describe(exc: BaseException) -> str:
+    message = str(exc)
+    return _one_line(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
+
+
+# Files loaded by path, keyed by resolved path: two rubric entries naming functions in the same file
+# share one module (and one execution of its top-level code).
+_FILE_MODULES: dict[Path, ModuleType] = {}
+
+
+def _load_file(spec: str, file_part: str, base_dir: Path | None) -> ModuleType:
+    path = Path(file_part).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    if not path.is_file():
+        raise ConfigError(f"reward function {spec!r}: file {str(path)!r} not found")
+    path = path.resolve()
+    if path in _FILE_MODULES:
+        return _FILE_MODULES[path]
+    # A unique module name, registered in sys.modules, so dataclasses and pickling inside work.
+    module_name = f"_rlvr_reward_{path.stem}_{abs(hash(str(path))):x}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ConfigError(f"reward function {spec!r}: cannot load {str(path)!r} as Python")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise ConfigError(
+            f"reward function {spec!r}: importing {str(path)!r} failed: {_describe(exc)}"
+        ) from exc
+    _FILE_MODULES[path] = module
+    return module
+
+
+def _import_module(spec: str, module_name: str) -> ModuleType:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing == module_name or module_name.startswith(missing + "."):
+            raise ConfigError(
+                f"reward function {spec!r}: module {module_name!r} not found"
+            ) from None
+        raise ConfigError(
+            f"reward function {spec!r}: importing {module_name!r} failed: {_describe(exc)}"
+        ) from exc
+    except Exception as exc:
+        raise ConfigError(
+            f"reward function {spec!r}: importing {module_name!r} failed: {_describe(exc)}"
+        ) from exc
+
+
+def resolve_reward_fn(
+    spec: str, base_dir: str | os.PathLike[str] | None = None
+) -> Callable[..., float]:
+    """Turn a config string into a reward function.
+
+    `spec` is a built-in name (see `BUILTIN_REWARDS`), `"package.module:function"`, or
+    `"path/to/file.py:function"` (relative paths are taken from `base_dir`, e.g. the config file's
+    folder, else the working directory). The attribute may be dotted (`module:Class.method`). Every
+    failure is a `ConfigError` whose one-line message says what was wrong, so the CLI can print it
+    without a traceback before any model is loaded.
+    """
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" not in spec:
+        raise ConfigError(
+            f"reward function {spec!r} is not a built-in (one of: {', '.join(BUILTIN_REWARDS)}) "
+            "and not 'module:function' or 'file.py:function'"
+        )
+    # rsplit: a Windows path ("C:\\x\\r.py:fn") has a colon of its own.
+    location, attr_path = spec.rsplit(":", 1)
+    if not location or not attr_path:
+        raise ConfigError(
+            f"reward function {spec!r}: expected 'module:function' or 'file.py:function'"
+        )
+    is_file = location.endswith(".py") or "/" in location or os.sep in location
+    if is_file:
+        module = _load_file(spec, location, Path(base_dir) if base_dir is not None else None)
+    else:
+        module = _import_module(spec, location)
+    target: Any = module
+    for part in attr_path.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"reward function {spec!r}: {location!r} has no attribute {part!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(
+            f"reward function {spec!r}: {attr_path!r} is a {type(target).__name__}, not callable"
+        )
+    fn: Callable[..., float] = target
+    return fn
+
+
+@dataclass(frozen=True)
+class _CallPlan:
+    """What `inspect.signature` says about a reward function, worked out once per function.
+
+    `accepted` is None when the function takes **kwargs (it gets every field), else the names it can
+    take by keyword. `required` are those without a default, checked before the call so a missing
+    task field gets a message that names the field and the task.
+    """
+
+    accepted: frozenset[str] | None
+    required: frozenset[str]
+
+
+def _call_plan(name: str, fn: Callable[..., Any]) -> _CallPlan:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        # Some C callables have no signature: pass everything and let the call itself complain.
+        return _CallPlan(accepted=None, required=frozenset())
+    params = list(signature.parameters.values())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if params and params[0].kind in positional:
+        params = params[1:]  # receives the completion text (or the Trajectory)
+    elif not params or params[0].kind is not inspect.Parameter.VAR_POSITIONAL:
+        raise ConfigError(
+            f"reward function {name!r}: it must take the completion as its first argument"
+        )
+    if any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in params):
+        raise ConfigError(
+            f"reward function {name!r}: only its first argument may be positional-only; "
+            "task fields and options are passed by keyword"
+        )
+    keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    keyword = [p for p in params if p.kind in keyword_kinds]
+    required = frozenset(p.name for p in keyword if p.default is inspect.Parameter.empty)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return _CallPlan(accepted=None, required=required)
+    return _CallPlan(accepted=frozenset(p.name for p in keyword), required=required)
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """One component of a rubric: a reward function, its weight and its config options.
+
+    Calling convention: the first positional argument is `trajectory.completion_text` (or the
+    `Trajectory` itself for `@trajectory_reward` functions); keyword arguments are the task's fields
+    merged with `options` (options win), filtered to the parameters the function accepts unless it
+    takes **kwargs. Task fields are filtered because a task carries fields for other components; an
+    option the function cannot accept is a typo in the config and raises `ConfigError` here.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    weight: float = 1.0
+    options: Mapping[str, Any] = field(default_factory=dict)
+    _plan: _CallPlan = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise ConfigError(f"reward function {self.name!r}: {self.fn!r} is not callable")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real):
+            raise ConfigError(
+                f"reward function {self.name!r}: weight {self.weight!r} is not a number"
+            )
+        if not math.isfinite(float(self.weight)):
+            raise ConfigError(
+                f"reward function {self.name!r}: weight {self.weight!r} is not finite"
+            )
+        object.__setattr__(self, "weight", float(self.weight))
+        # A read-only copy: the caller's dict may change later, and the dataclass is frozen.
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+        plan = _call_plan(self.name, self.fn)
+        if plan.accepted is not None:
+            unknown = sorted(set(self.options) - plan.accepted)
+            if unknown:
+                raise ConfigError(
+                    f"reward function {self.name!r}: option(s) {', '.join(unknown)} not accepted "
+                    f"(it takes: {', '.join(sorted(plan.accepted)) or 'no keyword arguments'})"
+                )
+        object.__setattr__(self, "_plan", plan)
+
+    @property
+    def wants_trajectory(self) -> bool:
+        return bool(getattr(self.fn, _WANTS_TRAJECTORY, False))
+
+    def keyword_arguments(self, task: Task) -> dict[str, Any]:
+        """The keyword arguments this function gets for `task`: task fields, options on top."""
+        merged = {**task.fields, **self.options}
+        accepted = self._plan.accepted
+        if accepted is None:
+            return merged
+        return {key: value for key, value in merged.items() if key in accepted}
+
+    def __call__(self, trajectory: Trajectory, task: Task) -> float:
+        """The component's value as a finite float; raises on anything else (the rubric records it).
+
+        bool is accepted (a pass/fail check) and becomes 0.0/1.0; any real number (int, float, numpy
+        scalars) is converted; None, strings, tensors and NaN/inf raise.
+        """
+        kwargs = self.keyword_arguments(task)
+        missing = sorted(self._plan.required - kwargs.keys())
+        if missing:
+            raise TypeError(
+                f"task {task.id!r} has no field {', '.join(map(repr, missing))} "
+                f"needed by reward function {self.name!r}"
+            )
+        first: Trajectory | str = (
+            trajectory if self.wants_trajectory else trajectory.completion_text
+        )
+        value = self.fn(first, **kwargs)
+        if not isinstance(value, numbers.Real):
+            raise TypeError(f"returned {type(value).__name__} {value!r:.80}, expected a number")
+        result = float(value)
+        if not math.isfinite(result):
+            raise ValueError(f"returned {result}, expected a finite number")
+        return result
+
+
+@dataclass(frozen=True)
+class Score:
+    """The rubric's verdict on one trajectory.
+
+    `rewards` holds the components that succeeded, `errors` the others (name -> one-line
+    "ExcType: message"). `total` is the weighted sum over `rewards`; it is only meaningful when
+    `errors` is empty, since a failed component's contribution is unknown.
+    """
+
+    rewards: dict[str, float]
+    total: float
+    errors: dict[str, str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+class Rubric:
+    """Weighted reward functions; `score` runs all of them on a trajectory and sums the results.
+
+    Components are independent: one that fails does not stop the others, so the logs still show the
+    format reward of a trajectory whose answer check crashed. Weight 0.0 components run and are
+    reported (useful as metrics, e.g. tracking correctness while training on format only) but add
+    nothing to the total.
+    """
+
+    def __init__(self, functions: Sequence[RewardFunction]) -> None:
+        if not functions:
+            raise ConfigError("a rubric needs at least one reward function")
+        seen: set[str] = set()
+        for function in functions:
+            if function.name in seen:
+                raise ConfigError(f"reward function name {function.name!r} is used twice")
+            seen.add(function.name)
+        self._functions = tuple(functions)
+
+    @property
+    def functions(self) -> tuple[RewardFunction, ...]:
+        return self._functions
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self._functions)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {f.name: f.weight for f in self._functions}
+
+    def score(self, trajectory: Trajectory, task: Task) -> Score:
+        rewards: dict[str, float] = {}
+        errors: dict[str, str] = {}
+        total = 0.0
+        for function in self._functions:
+            try:
+                value = function(trajectory, task)
+            except Exception as exc:
+                errors[function.name] = _describe(exc)
+                continue
+            rewards[function.name] = value
+            if function.weight != 0.0:
+                total += function.weight * value
+        return Score(rewards=rewards, total=total, errors=errors)
+
+    def score_many(self, pairs: Sequence[tuple[Trajectory, Task]]) -> list[Score]:
+        """Score each (trajectory, task) pair in order.
+
+        Sequential on purpose: math_verify's timeouts use SIGALRM, which only works in the main
+        thread, and rewards are cheap next to generation. Slow verifiers (code execution) should
+        parallelise inside their own function.
+        """
+        return [self.score(trajectory, task) for trajectory, task in pairs]
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{f.name}*{f.weight:g}" for f in self._functions)
+        return f"Rubric({parts})"
