@@ -1,0 +1,94 @@
+"""Turn a config into the objects the loop uses: rubric, policy, generator, optimizer, scheduler."""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlvr.config import ModelConfig, RewardSpec, RunConfig
+from rlvr.models import LoraSettings, Policy, eos_token_ids, load_policy
+from rlvr.rollout.hf import HFGenerator
+from rlvr.verifiers import RewardFunction, Rubric, resolve_reward_fn
+
+
+def build_rubric(specs: list[RewardSpec], base_dir: Path | None = None) -> Rubric:
+    functions = [
+        RewardFunction(
+            name=spec.name or spec.fn.rsplit(":", 1)[-1],
+            fn=resolve_reward_fn(spec.fn, base_dir=base_dir),
+            weight=spec.weight,
+            options=spec.options,
+        )
+        for spec in specs
+    ]
+    return Rubric(functions)
+
+
+@cache
+def native_bf16() -> bool:
+    """True when bf16 matmuls are fast here: CUDA, or a CPU with avx512_bf16 / AMX.
+
+    Measured on an AVX2-only EPYC: bf16 matmuls ran at 15 GFLOP/s against 120 in fp32, so autocast
+    must not be on by default everywhere.
+    """
+    if torch.cuda.is_available():
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def use_bf16(cfg: ModelConfig) -> bool:
+    return cfg.bf16 == "on" or (cfg.bf16 == "auto" and native_bf16())
+
+
+def build_policy(cfg: RunConfig) -> Policy:
+    lora = None
+    if cfg.model.lora.enabled:
+        lo = cfg.model.lora
+        lora = LoraSettings(r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules)
+    return load_policy(
+        cfg.model.name,
+        lora=lora,
+        need_reference=cfg.objective.beta > 0,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+    )
+
+
+def build_generator(policy: Policy, cfg: RunConfig) -> HFGenerator:
+    return HFGenerator(
+        policy.model,
+        policy.tokenizer,
+        eos_token_ids(policy.model, policy.tokenizer),
+        seed=cfg.train.seed,
+        autocast_bf16=use_bf16(cfg.model),
+    )
+
+
+def build_optimizer(policy: Policy, cfg: RunConfig) -> tuple[torch.optim.Optimizer, Any]:
+    tc = cfg.train
+    optimizer = torch.optim.AdamW(
+        policy.trainable_parameters(),
+        lr=tc.learning_rate,
+        betas=tc.adam_betas,
+        weight_decay=tc.weight_decay,
+    )
+
+    def lr_factor(step: int) -> float:
+        if step < tc.warmup_steps:
+            return (step + 1) / (tc.warmup_steps + 1)
+        progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
+        if tc.lr_schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if tc.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    return optimizer, scheduler

@@ -1,0 +1,111 @@
+"""`rlvr train | eval`: user errors print one line (`error: ...`) and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    help="Train LLM agents with reinforcement learning from verifiable rewards.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _quiet_libraries() -> None:
+    # transformers' and datasets' own progress bars and advisory warnings drown the run's output.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+@app.command()
+def train(
+    config: Annotated[Path, typer.Argument(help="YAML config (see examples/).")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override: key.sub=value (repeatable).")] = None,
+    output_dir: Annotated[str | None, typer.Option("--output-dir", help="RUN_DIR (overrides output_dir).")] = None,
+    resume: Annotated[str | None, typer.Option("--resume", help="Continue the run in this RUN_DIR.")] = None,
+) -> None:
+    """Train a policy as CONFIG says; metrics, rollouts and checkpoints go to the run directory."""
+    _quiet_libraries()
+    from rlvr.config import load_config
+    from rlvr.train.loop import train as run_training
+
+    overrides = list(set_ or [])
+    if resume is not None:
+        run_dir = Path(resume)
+        saved = run_dir / "config.yaml"
+        if not saved.exists():
+            from rlvr.errors import ConfigError
+
+            raise ConfigError(f"--resume '{resume}': no config.yaml there (not a run directory)")
+        cfg = load_config(saved, overrides + [f"output_dir={run_dir}"])
+        summary = run_training(cfg, resume=True, config_dir=config.parent)
+    else:
+        if output_dir is not None:
+            overrides.append(f"output_dir={output_dir}")
+        cfg = load_config(config, overrides)
+        summary = run_training(cfg, config_dir=config.parent)
+    _print_summary(summary, cfg.tracking.project if cfg.tracking.trackio else None)
+
+
+def _print_summary(summary: object, trackio_project: str | None) -> None:
+    from rich.console import Console
+
+    from rlvr.train.loop import RunSummary
+
+    assert isinstance(summary, RunSummary)
+    console = Console()
+    history = summary.eval_history
+    if history:
+        first_step, first = history[0]
+        last_step, last = history[-1]
+        console.print(
+            f"[bold]held-out accuracy[/bold]: {first['eval/accuracy']:.1%} (step {first_step}) -> "
+            f"{last['eval/accuracy']:.1%} (step {last_step}) on {int(last['eval/n'])} tasks"
+        )
+    console.print(f"steps: {summary.steps_done}   wall time: {summary.wall_seconds / 60:.1f} min")
+    console.print(f"run directory: {summary.run_dir}  (metrics.jsonl, rollouts.jsonl, checkpoints/)")
+    if trackio_project:
+        console.print(f"dashboard: trackio show --project {trackio_project}")
+
+
+@app.command("eval")
+def eval_command(
+    model: Annotated[str, typer.Argument(help="Model dir, hub id, alias, or a RUN_DIR (its last checkpoint).")],
+    task: Annotated[str, typer.Option("--task", help="Task family: arithmetic, or a config YAML's task.")] = "arithmetic",
+    n: Annotated[int, typer.Option("--n", help="Held-out tasks to evaluate.")] = 100,
+    k: Annotated[int, typer.Option("--k", help="Samples per task for mean@k (1 = greedy pass@1 only).")] = 1,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
+    temperature: Annotated[float, typer.Option("--temperature", help="For mean@k sampling.")] = 1.0,
+) -> None:
+    """Greedy pass@1 (and mean@k with --k) on the task's held-out split."""
+    _quiet_libraries()
+    from rlvr.evaluate_cli import run_eval
+
+    run_eval(model, task=task, n=n, k=k, max_new_tokens=max_new_tokens, temperature=temperature)
+
+
+def main() -> None:
+    from rlvr.errors import RlvrError
+
+    try:
+        app()
+    except RlvrError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted: metrics and checkpoints written so far are kept", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

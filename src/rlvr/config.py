@@ -1,0 +1,245 @@
+"""One typed config for `rlvr train` (and `rlvr eval`), each field described once.
+
+Loaded from YAML, overridden with `--set a.b=value`; every error names the field and what is allowed,
+in one line. Unknown keys are errors (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rlvr.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoraConfig(_Section):
+    enabled: bool = Field(False, description="Train LoRA adapters instead of all weights.")
+    r: int = Field(16, ge=1, description="Adapter rank.")
+    alpha: int = Field(32, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: str | list[str] = Field("all-linear", description="peft target_modules.")
+
+
+class ModelConfig(_Section):
+    name: str = Field(
+        "smollm2-135m-instruct",
+        description="HF model directory, hub id, or alias (smollm2-135m-instruct, tiny-random).",
+    )
+    lora: LoraConfig = LoraConfig()
+    gradient_checkpointing: bool = False
+    bf16: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="bf16 autocast for matmuls (log-probs and losses stay fp32). 'auto' turns it on "
+        "only where the CPU has native bf16 (avx512_bf16/AMX) or on CUDA; elsewhere bf16 is slower.",
+    )
+
+
+class ArithmeticConfig(_Section):
+    digits: int = Field(2, ge=1, le=6, description="Digits per operand.")
+    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Share of problems never trained on.")
+    prompt: str = Field("What is {a} {op} {b}?", description="Template with {a}, {op}, {b}.")
+
+
+class DatasetConfig(_Section):
+    path: str = Field(..., description="A .jsonl/.json/.parquet file, or a datasets hub name.")
+    split: str = "train"
+    heldout_path: str | None = Field(None, description="Separate held-out file; else a split is carved.")
+    heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    prompt_column: str = "prompt"
+    answer_column: str | None = "answer"
+    system_column: str | None = None
+    extra_columns: list[str] = Field(default_factory=list, description="More fields for verifiers.")
+
+
+class TaskConfig(_Section):
+    source: Literal["arithmetic", "dataset"] = "arithmetic"
+    arithmetic: ArithmeticConfig = ArithmeticConfig()
+    dataset: DatasetConfig | None = None
+    system_prompt: str | None = Field(None, description="Prepended as a system message when set.")
+
+    @model_validator(mode="after")
+    def _dataset_present(self) -> TaskConfig:
+        if self.source == "dataset" and self.dataset is None:
+            raise ValueError("task.source is 'dataset' but task.dataset is missing (needs at least path)")
+        return self
+
+
+class RewardSpec(_Section):
+    fn: str = Field(..., description="Built-in name, 'module:function' or 'file.py:function'.")
+    name: str | None = Field(None, description="Metric name; defaults to the function's name.")
+    weight: float = Field(1.0, description="0 = computed and logged, not optimised.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments.")
+
+
+class SamplingConfig(_Section):
+    group_size: int = Field(8, ge=2, description="G completions per prompt.")
+    prompts_per_step: int = Field(2, ge=1, description="P distinct prompts per step (batch = P*G).")
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(64, ge=1)
+    stop: list[str] = Field(default_factory=list)
+
+
+class ObjectiveConfig(_Section):
+    """The objective and its guard rails. Defaults follow DeepSeekMath's GRPO except where a comment says otherwise."""
+
+    epsilon: float = Field(0.2, gt=0.0, description="PPO clip range, lower side.")
+    epsilon_high: float | None = Field(
+        None, description="Upper clip (DAPO 'clip-higher' uses 0.28); None = epsilon."
+    )
+    beta: float = Field(
+        0.0,
+        ge=0.0,
+        description="KL penalty weight. 0 (no reference model) as in DAPO/Dr.GRPO and TRL's default.",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    scale_rewards: bool = Field(True, description="Divide advantages by the group std (GRPO).")
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="token-mean is DAPO's (TRL's default); GRPO's paper used seq-mean-token-mean."
+    )
+    num_iterations: int = Field(1, ge=1, description="Policy updates per generated batch (mu in GRPO).")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight.")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(100, ge=1)
+    learning_rate: float = Field(1e-5, gt=0.0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    micro_batch_size: int = Field(8, ge=1, description="Trajectories per forward/backward.")
+    seed: int = 0
+    max_reward_error_fraction: float = Field(
+        0.1, ge=0.0, le=1.0, description="Stop when more than this share of a step's rollouts failed to score."
+    )
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0, description="Held-out eval every k steps (0 = only start and end).")
+    n: int = Field(100, ge=1, description="Held-out tasks evaluated (greedy pass@1).")
+    at_start: bool = True
+    at_end: bool = True
+    max_new_tokens: int | None = Field(None, description="Defaults to sampling.max_new_tokens.")
+    metric: str | None = Field(None, description="Reward component read as accuracy; default the first.")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(0, ge=0, description="Save every k steps (0 = only at the end).")
+    keep_last: int = Field(2, ge=1)
+    save_final: bool = True
+
+
+class TrackingConfig(_Section):
+    trackio: bool = Field(True, description="Also log to trackio (local, no server needed).")
+    project: str = "rlvr"
+    run_name: str | None = None
+    progress: bool = True
+
+
+class RunConfig(_Section):
+    algorithm: Literal["grpo"] = Field("grpo", description="Chooses advantage estimator and loss.")
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(fn="numeric_match", name="correct")],
+        min_length=1,
+    )
+    sampling: SamplingConfig = SamplingConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    output_dir: str = Field("runs/latest", description="RUN_DIR: metrics, checkpoints, config.")
+
+    @field_validator("rewards")
+    @classmethod
+    def _unique_reward_names(cls, rewards: list[RewardSpec]) -> list[RewardSpec]:
+        names = [r.name or r.fn.rsplit(":", 1)[-1] for r in rewards]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"reward names must be unique; repeated: {', '.join(dupes)}")
+        return rewards
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        return f"{source}: unknown key '{where}'"
+    msg = first["msg"]
+    if kind == "literal_error":
+        allowed = first.get("ctx", {}).get("expected", "")
+        return f"{source}: '{where}' = {first.get('input')!r} is not allowed; expected {allowed}"
+    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{source}: '{where}': {msg} (got {first.get('input')!r}){more}"
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set '{item}': expected key=value, e.g. train.steps=10")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = {}
+                node[part] = child
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set '{item}': '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML (or start from defaults when path is None), apply `--set` overrides, validate."""
+    source = str(path) if path is not None else "config"
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file '{file}' does not exist")
+        try:
+            loaded = yaml.safe_load(file.read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"{source}:{where}: malformed YAML: {problem}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    data = apply_overrides(data, overrides or [])
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return cfg.model_dump(mode="json")

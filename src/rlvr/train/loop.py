@@ -1,0 +1,344 @@
+"""The RL step, top to bottom: tasks -> rollouts -> scores -> advantages -> update -> metrics -> checkpoint.
+
+Objective (GRPO, Shao et al. 2024, with the choices below; one `algorithm:` key picks the estimator and
+the loss from the registries in rlvr.algorithms):
+
+    J = agg_t[ min(r_t A, clip(r_t, 1-eps, 1+eps_high) A) - beta * KL_est(pi || pi_ref)_t + c_H * H_t ]
+
+How this departs from the paper, on purpose:
+- Advantages are one scalar per trajectory (outcome supervision), applied to every token the policy
+  sampled; prompt, padding and (multi-turn) observation tokens are masked out of every term.
+- The default aggregation is token-mean over the whole batch (DAPO) rather than the paper's
+  per-sequence mean; `objective.loss_aggregation` selects either, or Dr.GRPO's constant normaliser.
+- beta defaults to 0 (no reference model, as DAPO/Dr.GRPO and TRL); with beta > 0 the KL is k3 by
+  default, as in the paper. LoRA's reference is the base with adapters disabled.
+- With num_iterations == 1 the update is on-policy: pi_old is the current policy detached, so the ratio
+  is exactly 1 and no extra forward pass is spent. With num_iterations > 1, pi_old log-probs are
+  computed once by the trainer before the first update and reused, as PPO requires.
+- A rollout whose reward function raised is left out of the update and of its group's baseline, and
+  counted; past `train.max_reward_error_fraction` the run stops.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from rlvr.algorithms import ADVANTAGE_ESTIMATORS, ALGORITHMS, KL_ESTIMATORS, POLICY_LOSSES, aggregate
+from rlvr.algorithms.advantages import group_reward_std
+from rlvr.build import build_generator, build_optimizer, build_policy, build_rubric, use_bf16
+from rlvr.config import RunConfig, config_to_dict, load_config
+from rlvr.errors import RewardError
+from rlvr.evaluate import evaluate
+from rlvr.models import Policy
+from rlvr.observe.progress import Progress
+from rlvr.observe.tracking import Tracker
+from rlvr.records import Group, Trajectory, flatten
+from rlvr.rollout.generator import SamplingParams
+from rlvr.rollout.single_turn import rollout_groups
+from rlvr.tasks import TaskSampler, load_tasks
+from rlvr.train.batch import TrainBatch, collate, token_logprobs
+from rlvr.train.checkpoint import (
+    latest_checkpoint,
+    load_training_state,
+    load_weights_into,
+    save_checkpoint,
+)
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    steps_done: int
+    eval_history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------- update
+def policy_update(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    trajectories: Sequence[Trajectory],
+    advantages_B: torch.Tensor,
+    cfg: RunConfig,
+) -> dict[str, float]:
+    """num_iterations optimizer steps on one batch; returns the update's metrics.
+
+    Micro-batches accumulate gradients; the aggregation's normalisers are counted over the whole
+    batch, so the accumulated gradient equals the full-batch gradient.
+    """
+    obj, model = cfg.objective, policy.model
+    bf16 = use_bf16(cfg.model)
+    loss_fn = POLICY_LOSSES[ALGORITHMS[cfg.algorithm].policy_loss]
+    usable = [i for i, t in enumerate(trajectories) if t.usable]
+    if not usable:
+        return {"update/skipped": 1.0}
+    # Similar lengths together: less padding per micro-batch.
+    usable.sort(key=lambda i: len(trajectories[i].token_ids))
+    chunks = [usable[s : s + cfg.train.micro_batch_size] for s in range(0, len(usable), cfg.train.micro_batch_size)]
+    pad_id = int(policy.tokenizer.pad_token_id)
+    batches: list[TrainBatch] = []
+    for chunk in chunks:
+        token_adv = [[float(advantages_B[i])] * (len(trajectories[i].token_ids) - trajectories[i].prompt_length) for i in chunk]
+        batches.append(collate([trajectories[i] for i in chunk], token_adv, pad_id))
+    total_tokens = float(sum(b.mask_B_C.sum() for b in batches))
+    total_seqs = float(len(usable))
+    norms = {"total_tokens": total_tokens, "total_sequences": total_seqs, "norm_length": float(cfg.sampling.max_new_tokens)}
+    temperature = cfg.sampling.temperature
+
+    with torch.no_grad():
+        old_logprobs = (
+            [token_logprobs(model, b, temperature, bf16=bf16)[0] for b in batches] if obj.num_iterations > 1 else None
+        )
+        ref_logprobs = None
+        if obj.beta > 0:
+            with policy.reference() as ref:
+                ref_logprobs = [token_logprobs(ref, b, temperature, bf16=bf16)[0] for b in batches]
+
+    sums: dict[str, float] = {}
+
+    def add(name: str, value: torch.Tensor) -> None:
+        sums[name] = sums.get(name, 0.0) + float(value)
+
+    model.train()
+    skipped = 0
+    grad_norms: list[float] = []
+    for _ in range(obj.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        for i, b in enumerate(batches):
+            logp_B_C, entropy_B_C = token_logprobs(
+                model, b, temperature, with_entropy=True, entropy_grad=obj.entropy_coef > 0, bf16=bf16
+            )
+            assert entropy_B_C is not None
+            old_B_C = logp_B_C.detach() if old_logprobs is None else old_logprobs[i]
+            out = loss_fn(logp_B_C, old_B_C, b.advantages_B_C, epsilon=obj.epsilon, epsilon_high=obj.epsilon_high)
+            per_token_B_C = out.loss_B_T
+            if ref_logprobs is not None:
+                kl_B_C = KL_ESTIMATORS[obj.kl_estimator](logp_B_C, ref_logprobs[i])
+                per_token_B_C = per_token_B_C + obj.beta * kl_B_C
+                add("kl", (kl_B_C.detach() * b.mask_B_C).sum())
+            if obj.entropy_coef > 0:
+                per_token_B_C = per_token_B_C - obj.entropy_coef * entropy_B_C
+            loss = aggregate(per_token_B_C, b.mask_B_C, obj.loss_aggregation, **norms)
+            loss.backward()
+            mask = b.mask_B_C
+            add("loss", loss.detach())
+            add("entropy", (entropy_B_C.detach() * mask).sum())
+            add("clip_ratio/low_mean", (out.clipped_low_B_T * mask).sum())
+            add("clip_ratio/high_mean", (out.clipped_high_B_T * mask).sum())
+            add("behaviour_logprob_diff", ((logp_B_C.detach() - b.behaviour_logprobs_B_C).abs() * mask).sum())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.train.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            skipped += 1  # a non-finite gradient would poison the weights: skip this step, count it
+            optimizer.zero_grad(set_to_none=True)
+            continue
+        grad_norms.append(grad_norm)
+        optimizer.step()
+
+    n_tok = total_tokens * obj.num_iterations
+    metrics = {
+        "loss": sums["loss"] / obj.num_iterations,
+        "entropy": sums["entropy"] / n_tok,
+        "clip_ratio/low_mean": sums["clip_ratio/low_mean"] / n_tok,
+        "clip_ratio/high_mean": sums["clip_ratio/high_mean"] / n_tok,
+        "clip_ratio/region_mean": (sums["clip_ratio/low_mean"] + sums["clip_ratio/high_mean"]) / n_tok,
+        "grad_norm": statistics.fmean(grad_norms) if grad_norms else float("nan"),
+        "update/skipped_nonfinite": float(skipped),
+        # Generator vs trainer log-prob gap on the same tokens (numerics, or a stale/other engine).
+        "update/behaviour_logprob_abs_diff": sums["behaviour_logprob_diff"] / n_tok,
+    }
+    if "kl" in sums:
+        metrics["kl"] = sums["kl"] / n_tok
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+def rollout_metrics(groups: Sequence[Group], rubric_names: Sequence[str], group_size: int) -> dict[str, float]:
+    trajs = flatten(groups)
+    rewards_B = torch.tensor([t.reward for t in trajs])
+    valid_B = torch.tensor([t.usable for t in trajs])
+    std_P = group_reward_std(rewards_B, valid_B, group_size)
+    usable = [t for t in trajs if t.usable]
+    lengths = [t.num_policy_tokens for t in trajs]
+    out: dict[str, float] = {
+        "reward": statistics.fmean(t.reward for t in usable) if usable else float("nan"),
+        "reward_std": float(std_P.mean()),
+        "frac_reward_zero_std": float((std_P < 1e-8).float().mean()),
+        "completions/mean_length": statistics.fmean(lengths),
+        "completions/max_length": float(max(lengths)),
+        "completions/min_length": float(min(lengths)),
+        "completions/clipped_ratio": statistics.fmean(float(t.finish_reason == "length") for t in trajs),
+    }
+    for name in rubric_names:
+        values = [t.rewards[name] for t in trajs if name in t.rewards]
+        out[f"rewards/{name}/mean"] = statistics.fmean(values) if values else float("nan")
+        out[f"rewards/{name}/std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
+        out[f"rewards/{name}/errors"] = float(sum(name in t.reward_errors for t in trajs))
+    return out
+
+
+def rollout_rows(groups: Sequence[Group]) -> list[dict[str, Any]]:
+    return [
+        {
+            "task_id": t.task_id,
+            "completion": t.completion_text[:2000],
+            "reward": t.reward,
+            "rewards": dict(t.rewards),
+            "errors": dict(t.info.get("reward_errors", {})),
+            "finish_reason": t.finish_reason,
+            "num_tokens": t.num_policy_tokens,
+        }
+        for t in flatten(groups)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- the run
+def train(cfg: RunConfig, *, resume: bool = False, config_dir: Path | None = None) -> RunSummary:
+    """Run (or resume) a training run as configured; everything lands in `cfg.output_dir`."""
+    started = time.time()
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    seed_everything(cfg.train.seed)
+
+    rubric = build_rubric(cfg.rewards, base_dir=config_dir)
+    metric = cfg.eval.metric or rubric.names[0]
+    splits = load_tasks(cfg.task)
+    sampler = TaskSampler(splits.train, seed=cfg.train.seed)
+    policy = build_policy(cfg)
+    generator = build_generator(policy, cfg)
+    optimizer, scheduler = build_optimizer(policy, cfg)
+    spec = ALGORITHMS[cfg.algorithm]
+    sampling = SamplingParams(
+        n=cfg.sampling.group_size,
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        max_new_tokens=cfg.sampling.max_new_tokens,
+        stop=tuple(cfg.sampling.stop),
+    )
+    heldout = splits.heldout[: cfg.eval.n]
+
+    def run_eval() -> dict[str, float]:
+        return evaluate(
+            heldout, generator, policy.tokenizer, rubric, metric=metric,
+            max_new_tokens=cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens, stop=sampling.stop,
+        )
+
+    start_step = 0
+    if resume:
+        checkpoint = latest_checkpoint(run_dir)
+        load_weights_into(policy.model, checkpoint, policy.lora)
+        state, generator_rng = load_training_state(checkpoint, optimizer, scheduler)
+        generator.set_state(generator_rng)
+        sampler.load_state_dict(state["sampler"])
+        start_step = int(state["step"])
+
+    tracker = Tracker(
+        run_dir,
+        use_trackio=cfg.tracking.trackio,
+        project=cfg.tracking.project,
+        run_name=cfg.tracking.run_name or run_dir.name,
+        config=config_to_dict(cfg),
+        resume_step=start_step if resume else None,
+    )
+    summary = RunSummary(run_dir=run_dir, steps_done=start_step)
+    progress = Progress(total=cfg.train.steps, start=start_step, enabled=cfg.tracking.progress)
+
+    def save(step: int) -> None:
+        save_checkpoint(
+            run_dir, step, model=policy.model, tokenizer=policy.tokenizer, optimizer=optimizer,
+            scheduler=scheduler, generator_rng=generator.get_state(),
+            sampler_state=sampler.state_dict(), extra_state={"algorithm": cfg.algorithm},
+            keep_last=cfg.checkpoint.keep_last,
+        )
+
+    try:
+        if cfg.eval.at_start and not resume:
+            progress.note("evaluating the base policy on held-out tasks...")
+            base = run_eval()
+            summary.eval_history.append((0, base))
+            tracker.log(base, step=0)
+            progress.note(f"held-out accuracy before training: {base['eval/accuracy']:.1%}")
+
+        for step in range(start_step + 1, cfg.train.steps + 1):
+            t0 = time.time()
+            # 1. tasks -> rollouts, scored by the rubric
+            tasks = sampler.next_batch(cfg.sampling.prompts_per_step)
+            groups = rollout_groups(tasks, generator, policy.tokenizer, sampling, rubric)
+            trajectories = flatten(groups)
+            t_rollout = time.time() - t0
+            # 2. group-relative advantages over the rollouts that scored
+            rewards_B = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+            valid_B = torch.tensor([t.usable for t in trajectories])
+            advantages_B = ADVANTAGE_ESTIMATORS[spec.advantage](
+                rewards_B, valid_B, cfg.sampling.group_size, scale_rewards=cfg.objective.scale_rewards
+            )
+            # 3. the policy update
+            update = policy_update(policy, optimizer, trajectories, advantages_B, cfg)
+            metrics = {**rollout_metrics(groups, rubric.names, cfg.sampling.group_size), **update}
+            metrics["learning_rate"] = scheduler.get_last_lr()[0]
+            scheduler.step()
+            elapsed = time.time() - t0
+            n_tokens = sum(len(t.token_ids) - t.prompt_length for t in trajectories)
+            metrics.update(
+                {"step_time": elapsed, "rollout_time": t_rollout, "update_time": elapsed - t_rollout,
+                 "tokens_per_second": n_tokens / elapsed}
+            )
+            # 4. held-out eval, metrics, checkpoint
+            if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
+                ev = run_eval()
+                summary.eval_history.append((step, ev))
+                metrics.update(ev)
+            tracker.log(metrics, step=step)
+            tracker.log_rollouts(rollout_rows(groups), step=step)
+            summary.steps_done = step
+            progress.update(step, metrics)
+            _check_reward_errors(trajectories, step, cfg.train.max_reward_error_fraction)
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                save(step)
+
+        if cfg.eval.at_end:
+            final = run_eval()
+            summary.eval_history.append((cfg.train.steps, final))
+            tracker.log(final, step=cfg.train.steps)
+        if cfg.checkpoint.save_final and summary.steps_done == cfg.train.steps:
+            save(cfg.train.steps)
+    finally:
+        progress.close()
+        tracker.close()
+    summary.wall_seconds = time.time() - started
+    return summary
+
+
+def _check_reward_errors(trajectories: Sequence[Trajectory], step: int, limit: float) -> None:
+    failed = [t for t in trajectories if not t.usable]
+    if not failed or len(failed) / len(trajectories) <= limit:
+        return
+    example = failed[0].info.get("reward_errors", {})
+    name, message = next(iter(example.items()), ("?", "?"))
+    raise RewardError(
+        f"step {step}: {len(failed)}/{len(trajectories)} rollouts could not be scored, above "
+        f"train.max_reward_error_fraction={limit}; e.g. reward '{name}' on task {failed[0].task_id}: {message}"
+    )
+
+
+def train_from_file(path: str, overrides: list[str] | None = None) -> RunSummary:
+    cfg = load_config(path, overrides)
+    return train(cfg, config_dir=Path(path).parent)
