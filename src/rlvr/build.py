@@ -52,7 +52,9 @@ def build_policy(cfg: RunConfig) -> Policy:
     lora = None
     if cfg.model.lora.enabled:
         lo = cfg.model.lora
-        lora = LoraSettings(r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules)
+        lora = LoraSettings(
+            r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=lo.target_modules
+        )
     return load_policy(
         cfg.model.name,
         lora=lora,

@@ -30,14 +30,18 @@ def _quiet_libraries() -> None:
 @app.command()
 def train(
     config: Annotated[Path, typer.Argument(help="YAML config (see examples/).")],
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override: key.sub=value (repeatable).")] = None,
-    output_dir: Annotated[str | None, typer.Option("--output-dir", help="RUN_DIR (overrides output_dir).")] = None,
-    resume: Annotated[str | None, typer.Option("--resume", help="Continue the run in this RUN_DIR.")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override: key.sub=value (repeatable).")
+    ] = None,
+    output_dir: Annotated[
+        str | None, typer.Option("--output-dir", help="RUN_DIR (overrides output_dir).")
+    ] = None,
+    resume: Annotated[
+        str | None, typer.Option("--resume", help="Continue the run in this RUN_DIR.")
+    ] = None,
 ) -> None:
     """Train a policy as CONFIG says; metrics, rollouts and checkpoints go to the run directory."""
-    _quiet_libraries()
     from rlvr.config import load_config
-    from rlvr.train.loop import train as run_training
 
     overrides = list(set_ or [])
     if resume is not None:
@@ -47,13 +51,16 @@ def train(
             from rlvr.errors import ConfigError
 
             raise ConfigError(f"--resume '{resume}': no config.yaml there (not a run directory)")
-        cfg = load_config(saved, overrides + [f"output_dir={run_dir}"])
-        summary = run_training(cfg, resume=True, config_dir=config.parent)
+        cfg = load_config(saved, [*overrides, f"output_dir={run_dir}"])
     else:
         if output_dir is not None:
             overrides.append(f"output_dir={output_dir}")
         cfg = load_config(config, overrides)
-        summary = run_training(cfg, config_dir=config.parent)
+    # The config is checked before torch and transformers load (seconds), so a typo answers at once.
+    _quiet_libraries()
+    from rlvr.train.loop import train as run_training
+
+    summary = run_training(cfg, resume=resume is not None, config_dir=config.parent)
     _print_summary(summary, cfg.tracking.project if cfg.tracking.trackio else None)
 
 
@@ -73,17 +80,25 @@ def _print_summary(summary: object, trackio_project: str | None) -> None:
             f"{last['eval/accuracy']:.1%} (step {last_step}) on {int(last['eval/n'])} tasks"
         )
     console.print(f"steps: {summary.steps_done}   wall time: {summary.wall_seconds / 60:.1f} min")
-    console.print(f"run directory: {summary.run_dir}  (metrics.jsonl, rollouts.jsonl, checkpoints/)")
+    console.print(
+        f"run directory: {summary.run_dir}  (metrics.jsonl, rollouts.jsonl, checkpoints/)"
+    )
     if trackio_project:
         console.print(f"dashboard: trackio show --project {trackio_project}")
 
 
 @app.command("eval")
 def eval_command(
-    model: Annotated[str, typer.Argument(help="Model dir, hub id, alias, or a RUN_DIR (its last checkpoint).")],
-    task: Annotated[str, typer.Option("--task", help="Task family: arithmetic, or a config YAML's task.")] = "arithmetic",
+    model: Annotated[
+        str, typer.Argument(help="Model dir, hub id, alias, or a RUN_DIR (its last checkpoint).")
+    ],
+    task: Annotated[
+        str, typer.Option("--task", help="Task family: arithmetic, or a config YAML's task.")
+    ] = "arithmetic",
     n: Annotated[int, typer.Option("--n", help="Held-out tasks to evaluate.")] = 100,
-    k: Annotated[int, typer.Option("--k", help="Samples per task for mean@k (1 = greedy pass@1 only).")] = 1,
+    k: Annotated[
+        int, typer.Option("--k", help="Samples per task for mean@k (1 = greedy pass@1 only).")
+    ] = 1,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
     temperature: Annotated[float, typer.Option("--temperature", help="For mean@k sampling.")] = 1.0,
 ) -> None:

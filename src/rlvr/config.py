@@ -44,14 +44,18 @@ class ModelConfig(_Section):
 class ArithmeticConfig(_Section):
     digits: int = Field(2, ge=1, le=6, description="Digits per operand.")
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
-    heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Share of problems never trained on.")
+    heldout_fraction: float = Field(
+        0.1, gt=0.0, lt=1.0, description="Share of problems never trained on."
+    )
     prompt: str = Field("What is {a} {op} {b}?", description="Template with {a}, {op}, {b}.")
 
 
 class DatasetConfig(_Section):
     path: str = Field(..., description="A .jsonl/.json/.parquet file, or a datasets hub name.")
     split: str = "train"
-    heldout_path: str | None = Field(None, description="Separate held-out file; else a split is carved.")
+    heldout_path: str | None = Field(
+        None, description="Separate held-out file; else a split is carved."
+    )
     heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     prompt_column: str = "prompt"
     answer_column: str | None = "answer"
@@ -68,7 +72,9 @@ class TaskConfig(_Section):
     @model_validator(mode="after")
     def _dataset_present(self) -> TaskConfig:
         if self.source == "dataset" and self.dataset is None:
-            raise ValueError("task.source is 'dataset' but task.dataset is missing (needs at least path)")
+            raise ValueError(
+                "task.source is 'dataset' but task.dataset is missing (needs at least path)"
+            )
         return self
 
 
@@ -102,10 +108,15 @@ class ObjectiveConfig(_Section):
     )
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     scale_rewards: bool = Field(True, description="Divide advantages by the group std (GRPO).")
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="token-mean is DAPO's (TRL's default); GRPO's paper used seq-mean-token-mean."
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        Field(
+            "token-mean",
+            description="token-mean is DAPO's (TRL's default); GRPO's paper used seq-mean-token-mean.",
+        )
     )
-    num_iterations: int = Field(1, ge=1, description="Policy updates per generated batch (mu in GRPO).")
+    num_iterations: int = Field(
+        1, ge=1, description="Policy updates per generated batch (mu in GRPO)."
+    )
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight.")
 
 
@@ -118,9 +129,16 @@ class TrainConfig(_Section):
     adam_betas: tuple[float, float] = (0.9, 0.99)
     max_grad_norm: float = Field(1.0, gt=0.0)
     micro_batch_size: int = Field(8, ge=1, description="Trajectories per forward/backward.")
+    share_prompt_prefix: bool = Field(
+        True,
+        description="Run each prompt once per micro-batch and reuse its KV cache for its samples.",
+    )
     seed: int = 0
     max_reward_error_fraction: float = Field(
-        0.1, ge=0.0, le=1.0, description="Stop when more than this share of a step's rollouts failed to score."
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Stop when more than this share of a step's rollouts failed to score.",
     )
 
 
@@ -130,7 +148,9 @@ class EvalConfig(_Section):
     at_start: bool = True
     at_end: bool = True
     max_new_tokens: int | None = Field(None, description="Defaults to sampling.max_new_tokens.")
-    metric: str | None = Field(None, description="Reward component read as accuracy; default the first.")
+    metric: str | None = Field(
+        None, description="Reward component read as accuracy; default the first."
+    )
 
 
 class CheckpointConfig(_Section):
@@ -177,13 +197,13 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "(top level)"
     kind = first["type"]
+    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     if kind == "extra_forbidden":
-        return f"{source}: unknown key '{where}'"
+        return f"{source}: unknown key '{where}'{more}"
     msg = first["msg"]
     if kind == "literal_error":
         allowed = first.get("ctx", {}).get("expected", "")
         return f"{source}: '{where}' = {first.get('input')!r} is not allowed; expected {allowed}"
-    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     return f"{source}: '{where}': {msg} (got {first.get('input')!r}){more}"
 
 
@@ -232,7 +252,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+            raise ConfigError(
+                f"{source}: the top level must be a mapping of sections, got {type(loaded).__name__}"
+            )
         data = loaded
     data = apply_overrides(data, overrides or [])
     try:

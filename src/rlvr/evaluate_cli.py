@@ -31,7 +31,9 @@ def _load_from_run(run_dir: Path) -> tuple[Policy, RunConfig]:
     return policy, cfg
 
 
-def run_eval(model: str, *, task: str, n: int, k: int, max_new_tokens: int, temperature: float) -> dict[str, float]:
+def run_eval(
+    model: str, *, task: str, n: int, k: int, max_new_tokens: int, temperature: float
+) -> dict[str, float]:
     path = Path(model)
     cfg: RunConfig
     if path.is_dir() and (path / "config.yaml").exists():
@@ -42,7 +44,9 @@ def run_eval(model: str, *, task: str, n: int, k: int, max_new_tokens: int, temp
         task_cfg = load_config(task)
         cfg = cfg.model_copy(update={"task": task_cfg.task, "rewards": task_cfg.rewards})
     elif task != "arithmetic" and task != cfg.task.source:
-        raise ConfigError(f"--task '{task}': expected 'arithmetic' or a config .yaml whose task section to use")
+        raise ConfigError(
+            f"--task '{task}': expected 'arithmetic' or a config .yaml whose task section to use"
+        )
     rubric = build_rubric(cfg.rewards)
     metric = cfg.eval.metric or rubric.names[0]
     tasks = load_tasks(cfg.task).heldout[:n]
@@ -52,8 +56,14 @@ def run_eval(model: str, *, task: str, n: int, k: int, max_new_tokens: int, temp
     )
     if k > 1:
         sampled = evaluate(
-            tasks, generator, policy.tokenizer, rubric, metric=metric,
-            max_new_tokens=max_new_tokens, k=k, temperature=temperature,
+            tasks,
+            generator,
+            policy.tokenizer,
+            rubric,
+            metric=metric,
+            max_new_tokens=max_new_tokens,
+            k=k,
+            temperature=temperature,
         )
         results[f"eval/mean@{k}"] = sampled["eval/accuracy"]
         results[f"eval/pass@{k}"] = sampled["eval/pass@k"]

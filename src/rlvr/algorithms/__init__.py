@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlvr.algorithms.advantages import ADVANTAGE_ESTIMATORS, grpo_advantages, group_reward_std
+from rlvr.algorithms.advantages import ADVANTAGE_ESTIMATORS, group_reward_std, grpo_advantages
 from rlvr.algorithms.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,

@@ -23,7 +23,9 @@ class AdvantageEstimator(Protocol):
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
 
 
-def register_advantage(name: str) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
+def register_advantage(
+    name: str,
+) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
     def wrap(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         ADVANTAGE_ESTIMATORS[name] = fn
         return fn
@@ -56,7 +58,7 @@ def grpo_advantages(
         A_i = (r_i - mean(r_group)) / (std(r_group) + eps)      if scale_rewards
         A_i =  r_i - mean(r_group)                              otherwise (Dr.GRPO, Liu et al. 2025)
 
-    The std is Bessel-corrected (as torch.std and TRL); `eps` keeps a zero-variance group at A = 0.
+    The std is Bessel-corrected (as torch.std and TRL); a group with equal rewards gets exactly A = 0.
     Invalid members get A = 0 and are left out of their group's mean and std.
     Shapes: rewards_B, valid_B (B,), B = P * group_size, group-major. Returns (B,).
     """
@@ -68,10 +70,19 @@ def grpo_advantages(
     advantages_P_G = rewards_P_G - mean_P1
     if scale_rewards:
         advantages_P_G = advantages_P_G / (std_P1 + eps)
+    # A group whose valid rewards are all equal carries no signal: exactly 0, not the float32 rounding
+    # of its mean divided by eps (0.7 * 8 / 8 != 0.7 in float32).
+    big = torch.finfo(rewards_P_G.dtype).max
+    spread_P1 = rewards_P_G.masked_fill(valid_P_G == 0, -big).amax(
+        dim=1, keepdim=True
+    ) - rewards_P_G.masked_fill(valid_P_G == 0, big).amin(dim=1, keepdim=True)
+    advantages_P_G = torch.where(spread_P1 > 0, advantages_P_G, torch.zeros_like(advantages_P_G))
     return (advantages_P_G * valid_P_G).view(-1)
 
 
-def group_reward_std(rewards_B: torch.Tensor, valid_B: torch.Tensor, group_size: int) -> torch.Tensor:
+def group_reward_std(
+    rewards_B: torch.Tensor, valid_B: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """Std of the valid rewards within each group, (P,): the in-group signal GRPO learns from."""
     valid_P_G = valid_B.view(-1, group_size).to(rewards_B.dtype)
     _, std_P1 = _masked_group_stats(rewards_B.view(-1, group_size), valid_P_G)

@@ -26,7 +26,9 @@ class PolicyLossOutput:
     clipped_high_B_T: torch.Tensor
 
 
-def register_policy_loss(name: str) -> Callable[[Callable[..., PolicyLossOutput]], Callable[..., PolicyLossOutput]]:
+def register_policy_loss(
+    name: str,
+) -> Callable[[Callable[..., PolicyLossOutput]], Callable[..., PolicyLossOutput]]:
     def wrap(fn: Callable[..., PolicyLossOutput]) -> Callable[..., PolicyLossOutput]:
         POLICY_LOSSES[name] = fn
         return fn
@@ -64,8 +66,15 @@ def ppo_clip_loss(
     return PolicyLossOutput(loss_B_T, clipped_low_B_T, clipped_high_B_T)
 
 
-def _register_kl(name: str) -> Callable[[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
-    def wrap(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _register_kl(
+    name: str,
+) -> Callable[
+    [Callable[[torch.Tensor, torch.Tensor], torch.Tensor]],
+    Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+]:
+    def wrap(
+        fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         KL_ESTIMATORS[name] = fn
         return fn
 

@@ -69,7 +69,11 @@ class Tracker:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self._trackio is not None:
-            numeric = {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+            numeric = {
+                k: v
+                for k, v in metrics.items()
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            }
             self._trackio.log(numeric, step=step)
 
     def log_rollouts(self, rows: list[dict[str, Any]], step: int) -> None:

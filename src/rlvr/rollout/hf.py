@@ -102,7 +102,9 @@ class HFGenerator:
         finally:
             self.model.train(was_training)
 
-    def _sample(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[Completion]]:
+    def _sample(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[list[Completion]]:
         n = sampling.n
         num_prompts = len(prompts)
         max_len = max(len(p) for p in prompts)
@@ -148,7 +150,9 @@ class HFGenerator:
             for b, row in enumerate(active):
                 tokens[row].append(int(new_tokens_B[b]))
                 logprobs[row].append(float(new_logprobs_B[b]))
-                if bool(done_B[b]) or (max_stop_chars and self._hit_stop(tokens[row], sampling.stop, max_stop_chars)):
+                if bool(done_B[b]) or (
+                    max_stop_chars and self._hit_stop(tokens[row], sampling.stop, max_stop_chars)
+                ):
                     finish[row] = "stop"
                 else:
                     keep.append(b)
@@ -175,13 +179,15 @@ class HFGenerator:
             next_pos_B = next_pos_B + 1
 
         completions = [
-            Completion(tuple(tokens[r]), tuple(logprobs[r]), "stop" if finish[r] == "stop" else "length")
+            Completion(
+                tuple(tokens[r]), tuple(logprobs[r]), "stop" if finish[r] == "stop" else "length"
+            )
             for r in range(rows)
         ]
         return [completions[i * n : (i + 1) * n] for i in range(num_prompts)]
 
     def _hit_stop(self, row_tokens: list[int], stops: tuple[str, ...], max_chars: int) -> bool:
-        # Decode only a tail long enough to contain any stop string (a token is >= 1 character, and
-        # the tail must start before the stop string did).
-        tail = self.tokenizer.decode(row_tokens[-(max_chars + 1) :], skip_special_tokens=True)
-        return any(s in tail for s in stops)
+        # Decode the whole row (microseconds at these lengths): a tail of a few tokens can miss a stop
+        # string split by special tokens, which decode to nothing.
+        text = self.tokenizer.decode(row_tokens, skip_special_tokens=True)
+        return any(s in text for s in stops)

@@ -58,7 +58,9 @@ def score_trajectory(trajectory: Trajectory, task: Task, rubric: Rubric) -> Traj
         rewards=dict(score.rewards),
         reward=score.total if score.ok else 0.0,
         reward_errors=tuple(sorted(score.errors)),
-        info={**trajectory.info, "reward_errors": dict(score.errors)} if score.errors else trajectory.info,
+        info={**trajectory.info, "reward_errors": dict(score.errors)}
+        if score.errors
+        else trajectory.info,
     )
 
 

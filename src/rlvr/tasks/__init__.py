@@ -48,7 +48,9 @@ def arithmetic_tasks(cfg: ArithmeticConfig, system_prompt: str | None = None) ->
     """
     low, high = 10 ** (cfg.digits - 1) if cfg.digits > 1 else 0, 10**cfg.digits - 1
     if (high - low + 1) ** 2 * len(cfg.operations) > 2_000_000:
-        raise ConfigError(f"task.arithmetic.digits={cfg.digits} makes too many problems to enumerate")
+        raise ConfigError(
+            f"task.arithmetic.digits={cfg.digits} makes too many problems to enumerate"
+        )
     train: list[Task] = []
     heldout: list[Task] = []
     for op in cfg.operations:
@@ -81,10 +83,14 @@ def _load_rows(path: str, split: str) -> Any:
     try:
         return datasets.load_dataset(path, split=split)
     except Exception as err:  # datasets raises many types; the user needs one line either way
-        raise ConfigError(f"could not load dataset '{path}' (split {split}): {str(err).splitlines()[0]}") from err
+        raise ConfigError(
+            f"could not load dataset '{path}' (split {split}): {str(err).splitlines()[0]}"
+        ) from err
 
 
-def tasks_from_rows(rows: Any, cfg: DatasetConfig, system_prompt: str | None, source: str) -> list[Task]:
+def tasks_from_rows(
+    rows: Any, cfg: DatasetConfig, system_prompt: str | None, source: str, id_prefix: str = ""
+) -> list[Task]:
     """Map dataset rows to Tasks by the configured column names; a missing column is a config error."""
     columns = list(getattr(rows, "column_names", None) or (rows[0].keys() if len(rows) else []))
     wanted = [cfg.prompt_column, cfg.answer_column, cfg.system_column, *cfg.extra_columns]
@@ -105,22 +111,30 @@ def tasks_from_rows(rows: Any, cfg: DatasetConfig, system_prompt: str | None, so
         fields = {c: row[c] for c in cfg.extra_columns}
         if cfg.answer_column:
             fields["answer"] = row[cfg.answer_column]
-        tasks.append(Task(id=str(row.get("id", f"{Path(source).stem}:{i}")), messages=messages, fields=fields))
+        task_id = id_prefix + str(row.get("id", f"{Path(source).stem}:{i}"))
+        tasks.append(Task(id=task_id, messages=messages, fields=fields))
     return tasks
 
 
-def dataset_tasks(cfg: DatasetConfig, system_prompt: str | None = None, rows: Any = None) -> TaskSplits:
+def dataset_tasks(
+    cfg: DatasetConfig, system_prompt: str | None = None, rows: Any = None
+) -> TaskSplits:
     """Tasks from a file, a saved dataset dir, a hub dataset, or (API) an in-memory `datasets.Dataset`."""
     source = cfg.path
     rows = _load_rows(cfg.path, cfg.split) if rows is None else rows
     tasks = tasks_from_rows(rows, cfg, system_prompt, source)
     if cfg.heldout_path:
-        heldout = tasks_from_rows(_load_rows(cfg.heldout_path, cfg.split), cfg, system_prompt, cfg.heldout_path)
+        heldout_rows = _load_rows(cfg.heldout_path, cfg.split)
+        heldout = tasks_from_rows(
+            heldout_rows, cfg, system_prompt, cfg.heldout_path, id_prefix="heldout:"
+        )
         return TaskSplits(train=tasks, heldout=heldout)
     train = [t for t in tasks if _stable_fraction(t.id) >= cfg.heldout_fraction]
     heldout = [t for t in tasks if _stable_fraction(t.id) < cfg.heldout_fraction]
     if not train or not heldout:
-        raise ConfigError(f"dataset '{source}' ({len(tasks)} rows) is too small to split off a held-out set")
+        raise ConfigError(
+            f"dataset '{source}' ({len(tasks)} rows) is too small to split off a held-out set"
+        )
     return TaskSplits(train=train, heldout=heldout)
 
 

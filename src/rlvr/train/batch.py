@@ -1,12 +1,17 @@
 """From trajectories to padded tensors, and the trainer-side forward pass that yields token log-probs.
 
-Layout of a (micro-)batch, chosen so logits are computed only where they are needed:
+A micro-batch keeps each distinct prompt once (P prompts, left-padded) and every trajectory's
+completion region once (B rows, right-padded); `row_prompt_B` says which prompt a row continues.
 
-    [pad pad p p p p | c c c c c pad pad]     L = max_prompt + max_completion
-     left-padded prompt  right-padded completion (sampled tokens and, multi-turn, observations)
+    prompts      [pad pad p p p p]                  P x Lp
+    completions                  [c c c c c pad]    B x C   (sampled tokens and, multi-turn, observations)
 
-Every row's completion starts at the same column, so the model is asked for the logits of the last
-C + 1 positions only (`logits_to_keep`): the lm_head never runs over prompt tokens.
+The forward pass runs the prompts once, repeats their KV cache for the rows that share them (the
+repeat is differentiable, so gradients from all G samples flow back into the one prompt pass), then
+runs the completions on top. With G = 8 samples of a 40-token prompt and 32-token completions this
+halves the tokens pushed through the model. `share_prefix=False` gives the plain path (each row runs
+its whole prompt + completion) that the shortcut is tested against. Either way the lm_head only runs
+where a completion token is predicted.
 """
 
 from __future__ import annotations
@@ -17,57 +22,82 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from rlvr.records import Trajectory
 
 
 @dataclass(frozen=True)
 class TrainBatch:
-    """Padded tensors for a micro-batch of B trajectories; C = longest completion.
+    """Padded tensors for a micro-batch of B trajectories over P distinct prompts; C = longest completion.
 
-    input_ids_B_L / attention_mask_B_L / position_ids_B_L: model inputs (L = prompt cols + C).
-    targets_B_C: the completion tokens; mask_B_C: 1 where the policy sampled the token (the only
-    positions that get gradient); behaviour_logprobs_B_C: generator log-probs; advantages_B_C.
+    prompt_ids_P_Lp / prompt_mask_P_Lp: left-padded prompts. row_prompt_B: prompt index of each row.
+    completion_ids_B_C / completion_mask_B_C: right-padded completion regions (the targets).
+    mask_B_C: 1 where the policy sampled the token, the only positions that get gradient.
+    behaviour_logprobs_B_C: the generator's log-probs; advantages_B_C: per-token advantages.
     """
 
-    input_ids_B_L: torch.Tensor
-    attention_mask_B_L: torch.Tensor
-    position_ids_B_L: torch.Tensor
-    targets_B_C: torch.Tensor
+    prompt_ids_P_Lp: torch.Tensor
+    prompt_mask_P_Lp: torch.Tensor
+    row_prompt_B: torch.Tensor
+    completion_ids_B_C: torch.Tensor
+    completion_mask_B_C: torch.Tensor
     mask_B_C: torch.Tensor
     behaviour_logprobs_B_C: torch.Tensor
     advantages_B_C: torch.Tensor
 
     @property
     def completion_width(self) -> int:
-        return int(self.targets_B_C.shape[1])
+        return int(self.completion_ids_B_C.shape[1])
+
+    @property
+    def targets_B_C(self) -> torch.Tensor:
+        return self.completion_ids_B_C
 
 
 def collate(
-    trajectories: Sequence[Trajectory], token_advantages: Sequence[Sequence[float]], pad_token_id: int
+    trajectories: Sequence[Trajectory],
+    token_advantages: Sequence[Sequence[float]],
+    pad_token_id: int,
 ) -> TrainBatch:
     """Pad trajectories into the layout above. `token_advantages[i]` has one value per completion token."""
-    prompt_cols = max(t.prompt_length for t in trajectories)
+    prompts: dict[tuple[int, ...], int] = {}
+    row_prompt = []
+    for traj in trajectories:
+        key = traj.token_ids[: traj.prompt_length]
+        row_prompt.append(prompts.setdefault(key, len(prompts)))
+    prompt_cols = max(len(p) for p in prompts)
+    prompt_ids = torch.full((len(prompts), prompt_cols), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(prompts), prompt_cols), dtype=torch.long)
+    for key, i in prompts.items():
+        prompt_ids[i, prompt_cols - len(key) :] = torch.tensor(key, dtype=torch.long)
+        prompt_mask[i, prompt_cols - len(key) :] = 1
+
     width = max(len(t.token_ids) - t.prompt_length for t in trajectories)
-    batch = len(trajectories)
-    input_ids = torch.full((batch, prompt_cols + width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((batch, prompt_cols + width), dtype=torch.long)
-    targets = torch.full((batch, width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((batch, width), dtype=torch.float32)
-    behaviour = torch.zeros((batch, width), dtype=torch.float32)
-    advantages = torch.zeros((batch, width), dtype=torch.float32)
+    rows = len(trajectories)
+    completion_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    completion_mask = torch.zeros((rows, width), dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.float32)
+    behaviour = torch.zeros((rows, width), dtype=torch.float32)
+    advantages = torch.zeros((rows, width), dtype=torch.float32)
     for i, (traj, adv) in enumerate(zip(trajectories, token_advantages, strict=True)):
         n_p = traj.prompt_length
         n_c = len(traj.token_ids) - n_p
-        ids = torch.tensor(traj.token_ids, dtype=torch.long)
-        input_ids[i, prompt_cols - n_p : prompt_cols + n_c] = ids
-        attention[i, prompt_cols - n_p : prompt_cols + n_c] = 1
-        targets[i, :n_c] = ids[n_p:]
+        completion_ids[i, :n_c] = torch.tensor(traj.token_ids[n_p:], dtype=torch.long)
+        completion_mask[i, :n_c] = 1
         mask[i, :n_c] = torch.tensor(traj.policy_mask[n_p:], dtype=torch.float32)
         behaviour[i, :n_c] = torch.tensor(traj.logprobs[n_p:], dtype=torch.float32)
         advantages[i, :n_c] = torch.tensor(list(adv), dtype=torch.float32)
-    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-    return TrainBatch(input_ids, attention, positions, targets, mask, behaviour, advantages * mask)
+    return TrainBatch(
+        prompt_ids,
+        prompt_mask,
+        torch.tensor(row_prompt, dtype=torch.long),
+        completion_ids,
+        completion_mask,
+        mask,
+        behaviour,
+        advantages * mask,
+    )
 
 
 def autocast_context(enabled: bool) -> contextlib.AbstractContextManager[Any]:
@@ -82,6 +112,7 @@ def token_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     bf16: bool = False,
+    share_prefix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of the completion tokens under `model`, and optionally entropies (B, C).
 
@@ -89,17 +120,12 @@ def token_logprobs(
     fp32 whatever the matmul dtype. The entropy is detached (a metric) unless `entropy_grad` asks for
     its gradient (an entropy bonus).
     """
-    width = batch.completion_width
     with autocast_context(bf16):
-        out = model(
-            input_ids=batch.input_ids_B_L,
-            attention_mask=batch.attention_mask_B_L,
-            position_ids=batch.position_ids_B_L,
-            use_cache=False,
-            logits_to_keep=width + 1,
-        )
-    # Position j predicts token j+1: the last C+1 logits minus the final one score the C completion tokens.
-    logits_B_C_V = out.logits[:, :-1, :].float() / temperature
+        if share_prefix:
+            logits_B_C_V = _shared_prefix_logits(model, batch)
+        else:
+            logits_B_C_V = _plain_logits(model, batch)
+    logits_B_C_V = logits_B_C_V.float() / temperature
     logprobs_B_C_V = torch.log_softmax(logits_B_C_V, dim=-1)
     logprobs_B_C = logprobs_B_C_V.gather(2, batch.targets_B_C[:, :, None]).squeeze(2)
     entropy_B_C = None
@@ -107,3 +133,52 @@ def token_logprobs(
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy_B_C = -(logprobs_B_C_V.exp() * logprobs_B_C_V).sum(dim=-1)
     return logprobs_B_C, entropy_B_C
+
+
+def _plain_logits(model: Any, batch: TrainBatch) -> torch.Tensor:
+    """Each row runs its own prompt + completion: the reference path. Returns (B, C, V) logits."""
+    prompt_ids = batch.prompt_ids_P_Lp.index_select(0, batch.row_prompt_B)
+    prompt_mask = batch.prompt_mask_P_Lp.index_select(0, batch.row_prompt_B)
+    input_ids = torch.cat([prompt_ids, batch.completion_ids_B_C], dim=1)
+    attention = torch.cat([prompt_mask, batch.completion_mask_B_C], dim=1)
+    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=positions,
+        use_cache=False,
+        logits_to_keep=batch.completion_width + 1,
+    )
+    # Position j predicts token j+1: the last C+1 logits minus the final one score the C completion tokens.
+    return out.logits[:, :-1, :]
+
+
+def _shared_prefix_logits(model: Any, batch: TrainBatch) -> torch.Tensor:
+    """Prompts once, their KV cache gathered per row, completions on top. Returns (B, C, V) logits."""
+    cache = DynamicCache()
+    prompt_positions = (batch.prompt_mask_P_Lp.cumsum(dim=1) - 1).clamp(min=0)
+    out_p = model(
+        input_ids=batch.prompt_ids_P_Lp,
+        attention_mask=batch.prompt_mask_P_Lp,
+        position_ids=prompt_positions,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    # The gather is an index op, so gradients of every row flow back into the shared prompt pass.
+    cache.batch_select_indices(batch.row_prompt_B)
+    first_logits_B_V = out_p.logits[:, -1, :].index_select(0, batch.row_prompt_B)
+    prompt_mask_B_Lp = batch.prompt_mask_P_Lp.index_select(0, batch.row_prompt_B)
+    attention = torch.cat([prompt_mask_B_Lp, batch.completion_mask_B_C], dim=1)
+    positions = (
+        prompt_mask_B_Lp.sum(dim=1, keepdim=True) + torch.arange(batch.completion_width)[None, :]
+    )
+    out_c = model(
+        input_ids=batch.completion_ids_B_C,
+        attention_mask=attention,
+        position_ids=positions,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=batch.completion_width,
+    )
+    return torch.cat([first_logits_B_V[:, None, :], out_c.logits[:, :-1, :]], dim=1)

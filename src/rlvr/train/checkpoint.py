@@ -23,7 +23,11 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / "state.json").exists())
+    return sorted(
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith("step-") and (p / "state.json").exists()
+    )
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
@@ -63,7 +67,9 @@ def save_checkpoint(
         },
         tmp / "rng.pt",
     )
-    (tmp / "state.json").write_text(json.dumps({"step": step, "sampler": sampler_state, **extra_state}, indent=1))
+    (tmp / "state.json").write_text(
+        json.dumps({"step": step, "sampler": sampler_state, **extra_state}, indent=1)
+    )
     # Rename last: a crash mid-save leaves a .tmp directory, never a checkpoint that looks complete.
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

@@ -25,7 +25,8 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,13 @@ import numpy as np
 import torch
 import yaml
 
-from rlvr.algorithms import ADVANTAGE_ESTIMATORS, ALGORITHMS, KL_ESTIMATORS, POLICY_LOSSES, aggregate
+from rlvr.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    ALGORITHMS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    aggregate,
+)
 from rlvr.algorithms.advantages import group_reward_std
 from rlvr.build import build_generator, build_optimizer, build_policy, build_rubric, use_bf16
 from rlvr.config import RunConfig, config_to_dict, load_config
@@ -89,27 +96,50 @@ def policy_update(
     usable = [i for i, t in enumerate(trajectories) if t.usable]
     if not usable:
         return {"update/skipped": 1.0}
-    # Similar lengths together: less padding per micro-batch.
-    usable.sort(key=lambda i: len(trajectories[i].token_ids))
-    chunks = [usable[s : s + cfg.train.micro_batch_size] for s in range(0, len(usable), cfg.train.micro_batch_size)]
+    # Rows of one prompt together (its forward pass is shared), similar lengths together (less padding).
+    first_seen: dict[str, int] = {}
+    for i in usable:
+        first_seen.setdefault(trajectories[i].task_id, i)
+    usable.sort(key=lambda i: (first_seen[trajectories[i].task_id], len(trajectories[i].token_ids)))
+    chunks = [
+        usable[s : s + cfg.train.micro_batch_size]
+        for s in range(0, len(usable), cfg.train.micro_batch_size)
+    ]
     pad_id = int(policy.tokenizer.pad_token_id)
     batches: list[TrainBatch] = []
     for chunk in chunks:
-        token_adv = [[float(advantages_B[i])] * (len(trajectories[i].token_ids) - trajectories[i].prompt_length) for i in chunk]
+        token_adv = [
+            [float(advantages_B[i])]
+            * (len(trajectories[i].token_ids) - trajectories[i].prompt_length)
+            for i in chunk
+        ]
         batches.append(collate([trajectories[i] for i in chunk], token_adv, pad_id))
     total_tokens = float(sum(b.mask_B_C.sum() for b in batches))
     total_seqs = float(len(usable))
-    norms = {"total_tokens": total_tokens, "total_sequences": total_seqs, "norm_length": float(cfg.sampling.max_new_tokens)}
+    norms = {
+        "total_tokens": total_tokens,
+        "total_sequences": total_seqs,
+        "norm_length": float(cfg.sampling.max_new_tokens),
+    }
     temperature = cfg.sampling.temperature
+    share = cfg.train.share_prompt_prefix
 
     with torch.no_grad():
         old_logprobs = (
-            [token_logprobs(model, b, temperature, bf16=bf16)[0] for b in batches] if obj.num_iterations > 1 else None
+            [
+                token_logprobs(model, b, temperature, bf16=bf16, share_prefix=share)[0]
+                for b in batches
+            ]
+            if obj.num_iterations > 1
+            else None
         )
         ref_logprobs = None
         if obj.beta > 0:
             with policy.reference() as ref:
-                ref_logprobs = [token_logprobs(ref, b, temperature, bf16=bf16)[0] for b in batches]
+                ref_logprobs = [
+                    token_logprobs(ref, b, temperature, bf16=bf16, share_prefix=share)[0]
+                    for b in batches
+                ]
 
     sums: dict[str, float] = {}
 
@@ -123,11 +153,23 @@ def policy_update(
         optimizer.zero_grad(set_to_none=True)
         for i, b in enumerate(batches):
             logp_B_C, entropy_B_C = token_logprobs(
-                model, b, temperature, with_entropy=True, entropy_grad=obj.entropy_coef > 0, bf16=bf16
+                model,
+                b,
+                temperature,
+                with_entropy=True,
+                entropy_grad=obj.entropy_coef > 0,
+                bf16=bf16,
+                share_prefix=share,
             )
             assert entropy_B_C is not None
             old_B_C = logp_B_C.detach() if old_logprobs is None else old_logprobs[i]
-            out = loss_fn(logp_B_C, old_B_C, b.advantages_B_C, epsilon=obj.epsilon, epsilon_high=obj.epsilon_high)
+            out = loss_fn(
+                logp_B_C,
+                old_B_C,
+                b.advantages_B_C,
+                epsilon=obj.epsilon,
+                epsilon_high=obj.epsilon_high,
+            )
             per_token_B_C = out.loss_B_T
             if ref_logprobs is not None:
                 kl_B_C = KL_ESTIMATORS[obj.kl_estimator](logp_B_C, ref_logprobs[i])
@@ -142,8 +184,13 @@ def policy_update(
             add("entropy", (entropy_B_C.detach() * mask).sum())
             add("clip_ratio/low_mean", (out.clipped_low_B_T * mask).sum())
             add("clip_ratio/high_mean", (out.clipped_high_B_T * mask).sum())
-            add("behaviour_logprob_diff", ((logp_B_C.detach() - b.behaviour_logprobs_B_C).abs() * mask).sum())
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.train.max_grad_norm))
+            add(
+                "behaviour_logprob_diff",
+                ((logp_B_C.detach() - b.behaviour_logprobs_B_C).abs() * mask).sum(),
+            )
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.train.max_grad_norm)
+        )
         if not math.isfinite(grad_norm):
             skipped += 1  # a non-finite gradient would poison the weights: skip this step, count it
             optimizer.zero_grad(set_to_none=True)
@@ -157,7 +204,8 @@ def policy_update(
         "entropy": sums["entropy"] / n_tok,
         "clip_ratio/low_mean": sums["clip_ratio/low_mean"] / n_tok,
         "clip_ratio/high_mean": sums["clip_ratio/high_mean"] / n_tok,
-        "clip_ratio/region_mean": (sums["clip_ratio/low_mean"] + sums["clip_ratio/high_mean"]) / n_tok,
+        "clip_ratio/region_mean": (sums["clip_ratio/low_mean"] + sums["clip_ratio/high_mean"])
+        / n_tok,
         "grad_norm": statistics.fmean(grad_norms) if grad_norms else float("nan"),
         "update/skipped_nonfinite": float(skipped),
         # Generator vs trainer log-prob gap on the same tokens (numerics, or a stale/other engine).
@@ -169,7 +217,9 @@ def policy_update(
 
 
 # ---------------------------------------------------------------------------------------------- metrics
-def rollout_metrics(groups: Sequence[Group], rubric_names: Sequence[str], group_size: int) -> dict[str, float]:
+def rollout_metrics(
+    groups: Sequence[Group], rubric_names: Sequence[str], group_size: int
+) -> dict[str, float]:
     trajs = flatten(groups)
     rewards_B = torch.tensor([t.reward for t in trajs])
     valid_B = torch.tensor([t.usable for t in trajs])
@@ -183,7 +233,9 @@ def rollout_metrics(groups: Sequence[Group], rubric_names: Sequence[str], group_
         "completions/mean_length": statistics.fmean(lengths),
         "completions/max_length": float(max(lengths)),
         "completions/min_length": float(min(lengths)),
-        "completions/clipped_ratio": statistics.fmean(float(t.finish_reason == "length") for t in trajs),
+        "completions/clipped_ratio": statistics.fmean(
+            float(t.finish_reason == "length") for t in trajs
+        ),
     }
     for name in rubric_names:
         values = [t.rewards[name] for t in trajs if name in t.rewards]
@@ -209,9 +261,22 @@ def rollout_rows(groups: Sequence[Group]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- the run
-def train(cfg: RunConfig, *, resume: bool = False, config_dir: Path | None = None) -> RunSummary:
-    """Run (or resume) a training run as configured; everything lands in `cfg.output_dir`."""
+StepHook = Callable[[int, dict[str, Any]], None]
+
+
+def train(
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    config_dir: Path | None = None,
+    on_step_end: StepHook | None = None,
+) -> RunSummary:
+    """Run (or resume) a training run as configured; everything lands in `cfg.output_dir`.
+
+    `on_step_end(step, metrics)` is called after each step's metrics and checkpoint are written.
+    """
     started = time.time()
+    cfg = absolutize_reward_files(cfg, config_dir)
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
@@ -237,8 +302,13 @@ def train(cfg: RunConfig, *, resume: bool = False, config_dir: Path | None = Non
 
     def run_eval() -> dict[str, float]:
         return evaluate(
-            heldout, generator, policy.tokenizer, rubric, metric=metric,
-            max_new_tokens=cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens, stop=sampling.stop,
+            heldout,
+            generator,
+            policy.tokenizer,
+            rubric,
+            metric=metric,
+            max_new_tokens=cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
+            stop=sampling.stop,
         )
 
     start_step = 0
@@ -263,9 +333,15 @@ def train(cfg: RunConfig, *, resume: bool = False, config_dir: Path | None = Non
 
     def save(step: int) -> None:
         save_checkpoint(
-            run_dir, step, model=policy.model, tokenizer=policy.tokenizer, optimizer=optimizer,
-            scheduler=scheduler, generator_rng=generator.get_state(),
-            sampler_state=sampler.state_dict(), extra_state={"algorithm": cfg.algorithm},
+            run_dir,
+            step,
+            model=policy.model,
+            tokenizer=policy.tokenizer,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            generator_rng=generator.get_state(),
+            sampler_state=sampler.state_dict(),
+            extra_state={"algorithm": cfg.algorithm},
             keep_last=cfg.checkpoint.keep_last,
         )
 
@@ -288,18 +364,28 @@ def train(cfg: RunConfig, *, resume: bool = False, config_dir: Path | None = Non
             rewards_B = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
             valid_B = torch.tensor([t.usable for t in trajectories])
             advantages_B = ADVANTAGE_ESTIMATORS[spec.advantage](
-                rewards_B, valid_B, cfg.sampling.group_size, scale_rewards=cfg.objective.scale_rewards
+                rewards_B,
+                valid_B,
+                cfg.sampling.group_size,
+                scale_rewards=cfg.objective.scale_rewards,
             )
             # 3. the policy update
             update = policy_update(policy, optimizer, trajectories, advantages_B, cfg)
             metrics = {**rollout_metrics(groups, rubric.names, cfg.sampling.group_size), **update}
             metrics["learning_rate"] = scheduler.get_last_lr()[0]
-            scheduler.step()
+            with warnings.catch_warnings():
+                # The schedule follows steps even when an update was skipped (no optimizer.step()).
+                warnings.simplefilter("ignore", UserWarning)
+                scheduler.step()
             elapsed = time.time() - t0
             n_tokens = sum(len(t.token_ids) - t.prompt_length for t in trajectories)
             metrics.update(
-                {"step_time": elapsed, "rollout_time": t_rollout, "update_time": elapsed - t_rollout,
-                 "tokens_per_second": n_tokens / elapsed}
+                {
+                    "step_time": elapsed,
+                    "rollout_time": t_rollout,
+                    "update_time": elapsed - t_rollout,
+                    "tokens_per_second": n_tokens / elapsed,
+                }
             )
             # 4. held-out eval, metrics, checkpoint
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
@@ -313,6 +399,8 @@ def train(cfg: RunConfig, *, resume: bool = False, config_dir: Path | None = Non
             _check_reward_errors(trajectories, step, cfg.train.max_reward_error_fraction)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 save(step)
+            if on_step_end is not None:
+                on_step_end(step, metrics)
 
         if cfg.eval.at_end:
             final = run_eval()
@@ -325,6 +413,30 @@ def train(cfg: RunConfig, *, resume: bool = False, config_dir: Path | None = Non
         tracker.close()
     summary.wall_seconds = time.time() - started
     return summary
+
+
+def absolutize_reward_files(cfg: RunConfig, config_dir: Path | None) -> RunConfig:
+    """Resolve relative paths in the config against the config's folder and make them absolute:
+    'file.py:function' rewards and dataset files. The run's saved config then works from anywhere."""
+    base = config_dir or Path.cwd()
+    dataset = cfg.task.dataset
+    if dataset is not None:
+        updates = {}
+        for key in ("path", "heldout_path"):
+            value = getattr(dataset, key)
+            if value and not Path(value).is_absolute() and (base / value).exists():
+                updates[key] = str((base / value).resolve())
+        if updates:
+            task = cfg.task.model_copy(update={"dataset": dataset.model_copy(update=updates)})
+            cfg = cfg.model_copy(update={"task": task})
+    rewards = []
+    for spec in cfg.rewards:
+        file_part, sep, attr = spec.fn.rpartition(":")
+        if sep and file_part.endswith(".py") and not Path(file_part).is_absolute():
+            resolved = (base / file_part).resolve()
+            spec = spec.model_copy(update={"fn": f"{resolved}:{attr}"})
+        rewards.append(spec)
+    return cfg.model_copy(update={"rewards": rewards})
 
 
 def _check_reward_errors(trajectories: Sequence[Trajectory], step: int, limit: float) -> None:
