@@ -153,3 +153,57 @@ def test_eval_command_reads_a_run_directory(
     assert "eval/mean@2" in results and "eval/pass@2" in results
     printed = capsys.readouterr().out
     assert json.loads(printed.strip().splitlines()[-1])["eval/n"] == 4.0
+
+
+def test_train_on_an_in_memory_hf_dataset(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import datasets
+
+    from rlvr.config import DatasetConfig
+    from rlvr.tasks import dataset_tasks
+
+    rows = datasets.Dataset.from_list(
+        [{"question": f"Say {i}", "target": str(i), "id": f"q{i}"} for i in range(40)]
+    )
+    splits = dataset_tasks(
+        DatasetConfig(path="in-memory", prompt_column="question", answer_column="target"), rows=rows
+    )
+    cfg = tiny_cfg(tiny_config_dir, tiny_model_dir, tmp_path / "ds", "train.steps=2", "eval.n=3")
+    summary = train(cfg, config_dir=tiny_config_dir, tasks=splits)
+    seen = {json.loads(line)["task_id"] for line in (summary.run_dir / "rollouts.jsonl").open()}
+    assert seen and seen <= {t.id for t in splits.train}
+
+
+def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two runs, one forwarding every row and one skipping rows with A = 0: identical weights."""
+    from safetensors.torch import load_file
+
+    weights = {}
+    for skip in (True, False):
+        cfg = tiny_cfg(
+            tiny_config_dir,
+            tiny_model_dir,
+            tmp_path / f"skip-{skip}",
+            f"train.skip_zero_advantage_rows={str(skip).lower()}",
+            "eval.at_start=false",
+            "eval.at_end=false",
+            "train.micro_batch_size=4",
+            "train.steps=4",
+            'rewards=[{fn: regex_format, name: has_digit, options: {pattern: "[0-9]"}}]',
+        )
+        summary = train(cfg, config_dir=tiny_config_dir)
+        rows = [m for m in read_metrics(summary.run_dir) if "loss" in m]
+        if skip:
+            # ~80% of 16-character random completions hold a digit, so some groups of 8 are all 1
+            # (zero variance, skipped) and others are mixed (forwarded).
+            fractions = [m["update/rows_forwarded_frac"] for m in rows]
+            assert min(fractions) < 1.0 and max(fractions) > 0.0, fractions
+        model_file = summary.run_dir / "checkpoints" / "step-000004" / "model" / "model.safetensors"
+        weights[skip] = load_file(str(model_file))
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert any(not torch.equal(initial[k], weights[True][k]) for k in initial)  # it did train
+    for name in weights[True]:
+        torch.testing.assert_close(weights[True][name], weights[False][name], rtol=1e-5, atol=1e-7)

@@ -129,6 +129,11 @@ class TrainConfig(_Section):
     adam_betas: tuple[float, float] = (0.9, 0.99)
     max_grad_norm: float = Field(1.0, gt=0.0)
     micro_batch_size: int = Field(8, ge=1, description="Trajectories per forward/backward.")
+    skip_zero_advantage_rows: bool = Field(
+        True,
+        description="Skip forward/backward of rows with advantage 0 when beta = 0 and entropy_coef = 0: "
+        "they add exactly 0 to the gradient (the loss normalisers still count them).",
+    )
     share_prompt_prefix: bool = Field(
         True,
         description="Run each prompt once per micro-batch and reuse its KV cache for its samples.",

@@ -42,18 +42,18 @@ from rlvr.algorithms import (
     POLICY_LOSSES,
     aggregate,
 )
-from rlvr.algorithms.advantages import group_reward_std
 from rlvr.build import build_generator, build_optimizer, build_policy, build_rubric, use_bf16
 from rlvr.config import RunConfig, config_to_dict, load_config
 from rlvr.errors import RewardError
 from rlvr.evaluate import evaluate
 from rlvr.models import Policy
+from rlvr.observe.metrics import rollout_metrics, rollout_rows
 from rlvr.observe.progress import Progress
 from rlvr.observe.tracking import Tracker
-from rlvr.records import Group, Trajectory, flatten
+from rlvr.records import Trajectory, flatten
 from rlvr.rollout.generator import SamplingParams
 from rlvr.rollout.single_turn import rollout_groups
-from rlvr.tasks import TaskSampler, load_tasks
+from rlvr.tasks import TaskSampler, TaskSplits, load_tasks
 from rlvr.train.batch import TrainBatch, collate, token_logprobs
 from rlvr.train.checkpoint import (
     latest_checkpoint,
@@ -101,9 +101,14 @@ def policy_update(
     for i in usable:
         first_seen.setdefault(trajectories[i].task_id, i)
     usable.sort(key=lambda i: (first_seen[trajectories[i].task_id], len(trajectories[i].token_ids)))
+    # With no KL and no entropy term, a row whose advantage is 0 adds exactly 0 to the gradient: skip
+    # its forward and backward. The normalisers below still count it, so the update is unchanged
+    # (tested). Late in a run most groups are all-right or all-wrong, so this saves most of the update.
+    skip_zero = cfg.train.skip_zero_advantage_rows and obj.beta == 0 and obj.entropy_coef == 0
+    forwarded = [i for i in usable if not (skip_zero and float(advantages_B[i]) == 0.0)]
     chunks = [
-        usable[s : s + cfg.train.micro_batch_size]
-        for s in range(0, len(usable), cfg.train.micro_batch_size)
+        forwarded[s : s + cfg.train.micro_batch_size]
+        for s in range(0, len(forwarded), cfg.train.micro_batch_size)
     ]
     pad_id = int(policy.tokenizer.pad_token_id)
     batches: list[TrainBatch] = []
@@ -114,8 +119,9 @@ def policy_update(
             for i in chunk
         ]
         batches.append(collate([trajectories[i] for i in chunk], token_adv, pad_id))
-    total_tokens = float(sum(b.mask_B_C.sum() for b in batches))
+    total_tokens = float(sum(trajectories[i].num_policy_tokens for i in usable))
     total_seqs = float(len(usable))
+    forwarded_tokens = float(sum(b.mask_B_C.sum() for b in batches))
     norms = {
         "total_tokens": total_tokens,
         "total_sequences": total_seqs,
@@ -188,6 +194,9 @@ def policy_update(
                 "behaviour_logprob_diff",
                 ((logp_B_C.detach() - b.behaviour_logprobs_B_C).abs() * mask).sum(),
             )
+        for p in policy.trainable_parameters():
+            if p.grad is None:  # every row skipped: a zero gradient, so AdamW still steps as usual
+                p.grad = torch.zeros_like(p)
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.train.max_grad_norm)
         )
@@ -199,65 +208,29 @@ def policy_update(
         optimizer.step()
 
     n_tok = total_tokens * obj.num_iterations
+    n_fwd = forwarded_tokens * obj.num_iterations
+
+    def per_token(name: str, denominator: float) -> float:
+        return sums.get(name, 0.0) / denominator if denominator else float("nan")
+
     metrics = {
-        "loss": sums["loss"] / obj.num_iterations,
-        "entropy": sums["entropy"] / n_tok,
-        "clip_ratio/low_mean": sums["clip_ratio/low_mean"] / n_tok,
-        "clip_ratio/high_mean": sums["clip_ratio/high_mean"] / n_tok,
-        "clip_ratio/region_mean": (sums["clip_ratio/low_mean"] + sums["clip_ratio/high_mean"])
-        / n_tok,
+        "loss": sums.get("loss", 0.0) / obj.num_iterations,
+        # Entropy over the rows that were forwarded (all of them unless zero-advantage rows were skipped).
+        "entropy": per_token("entropy", n_fwd),
+        # Skipped rows have A = 0 and so cannot be clipped: the whole batch is the denominator.
+        "clip_ratio/low_mean": per_token("clip_ratio/low_mean", n_tok),
+        "clip_ratio/high_mean": per_token("clip_ratio/high_mean", n_tok),
+        "clip_ratio/region_mean": per_token("clip_ratio/low_mean", n_tok)
+        + per_token("clip_ratio/high_mean", n_tok),
         "grad_norm": statistics.fmean(grad_norms) if grad_norms else float("nan"),
         "update/skipped_nonfinite": float(skipped),
+        "update/rows_forwarded_frac": len(forwarded) / len(usable),
         # Generator vs trainer log-prob gap on the same tokens (numerics, or a stale/other engine).
-        "update/behaviour_logprob_abs_diff": sums["behaviour_logprob_diff"] / n_tok,
+        "update/behaviour_logprob_abs_diff": per_token("behaviour_logprob_diff", n_fwd),
     }
     if "kl" in sums:
-        metrics["kl"] = sums["kl"] / n_tok
+        metrics["kl"] = per_token("kl", n_tok)
     return metrics
-
-
-# ---------------------------------------------------------------------------------------------- metrics
-def rollout_metrics(
-    groups: Sequence[Group], rubric_names: Sequence[str], group_size: int
-) -> dict[str, float]:
-    trajs = flatten(groups)
-    rewards_B = torch.tensor([t.reward for t in trajs])
-    valid_B = torch.tensor([t.usable for t in trajs])
-    std_P = group_reward_std(rewards_B, valid_B, group_size)
-    usable = [t for t in trajs if t.usable]
-    lengths = [t.num_policy_tokens for t in trajs]
-    out: dict[str, float] = {
-        "reward": statistics.fmean(t.reward for t in usable) if usable else float("nan"),
-        "reward_std": float(std_P.mean()),
-        "frac_reward_zero_std": float((std_P < 1e-8).float().mean()),
-        "completions/mean_length": statistics.fmean(lengths),
-        "completions/max_length": float(max(lengths)),
-        "completions/min_length": float(min(lengths)),
-        "completions/clipped_ratio": statistics.fmean(
-            float(t.finish_reason == "length") for t in trajs
-        ),
-    }
-    for name in rubric_names:
-        values = [t.rewards[name] for t in trajs if name in t.rewards]
-        out[f"rewards/{name}/mean"] = statistics.fmean(values) if values else float("nan")
-        out[f"rewards/{name}/std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
-        out[f"rewards/{name}/errors"] = float(sum(name in t.reward_errors for t in trajs))
-    return out
-
-
-def rollout_rows(groups: Sequence[Group]) -> list[dict[str, Any]]:
-    return [
-        {
-            "task_id": t.task_id,
-            "completion": t.completion_text[:2000],
-            "reward": t.reward,
-            "rewards": dict(t.rewards),
-            "errors": dict(t.info.get("reward_errors", {})),
-            "finish_reason": t.finish_reason,
-            "num_tokens": t.num_policy_tokens,
-        }
-        for t in flatten(groups)
-    ]
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -270,9 +243,11 @@ def train(
     resume: bool = False,
     config_dir: Path | None = None,
     on_step_end: StepHook | None = None,
+    tasks: TaskSplits | None = None,
 ) -> RunSummary:
     """Run (or resume) a training run as configured; everything lands in `cfg.output_dir`.
 
+    `tasks` replaces the config's task source (e.g. `dataset_tasks(cfg, rows=my_datasets_Dataset)`).
     `on_step_end(step, metrics)` is called after each step's metrics and checkpoint are written.
     """
     started = time.time()
@@ -285,7 +260,7 @@ def train(
 
     rubric = build_rubric(cfg.rewards, base_dir=config_dir)
     metric = cfg.eval.metric or rubric.names[0]
-    splits = load_tasks(cfg.task)
+    splits = tasks if tasks is not None else load_tasks(cfg.task)
     sampler = TaskSampler(splits.train, seed=cfg.train.seed)
     policy = build_policy(cfg)
     generator = build_generator(policy, cfg)
@@ -356,8 +331,8 @@ def train(
         for step in range(start_step + 1, cfg.train.steps + 1):
             t0 = time.time()
             # 1. tasks -> rollouts, scored by the rubric
-            tasks = sampler.next_batch(cfg.sampling.prompts_per_step)
-            groups = rollout_groups(tasks, generator, policy.tokenizer, sampling, rubric)
+            batch_tasks = sampler.next_batch(cfg.sampling.prompts_per_step)
+            groups = rollout_groups(batch_tasks, generator, policy.tokenizer, sampling, rubric)
             trajectories = flatten(groups)
             t_rollout = time.time() - t0
             # 2. group-relative advantages over the rollouts that scored
