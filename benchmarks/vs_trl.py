@@ -23,7 +23,6 @@ import tempfile
 import time
 from typing import Any
 
-MODEL = "smollm2-135m-instruct"
 
 
 def _prompts(n: int) -> list[dict[str, Any]]:
@@ -46,7 +45,7 @@ def run_trl(args: argparse.Namespace, lora: bool) -> dict[str, Any]:
     from rlvr.models import resolve_model_path
     from rlvr.verifiers import numeric_match
 
-    path = resolve_model_path(MODEL)
+    path = resolve_model_path(args.model)
     rows = _prompts(args.steps * args.prompts_per_step * 4)
     dataset = datasets.Dataset.from_list(rows)
 
@@ -127,7 +126,7 @@ def run_rlvr(args: argparse.Namespace, lora: bool) -> dict[str, Any]:
     cfg = load_config(
         None,
         [
-            f"model.name={MODEL}",
+            f"model.name={args.model}",
             f"model.lora.enabled={str(lora).lower()}",
             f"sampling.group_size={args.group_size}",
             f"sampling.prompts_per_step={args.prompts_per_step}",
@@ -167,6 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="tiny-random for a smoke run")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompts-per-step", type=int, default=2)
@@ -182,6 +182,7 @@ def main() -> None:
 
     results: dict[tuple[str, str], dict[str, Any]] = {}
     passthrough = [
+        f"--model={args.model}",
         f"--steps={args.steps}",
         f"--group-size={args.group_size}",
         f"--prompts-per-step={args.prompts_per_step}",
@@ -190,7 +191,7 @@ def main() -> None:
         f"--lr={args.lr}",
     ]
     print(
-        f"model {MODEL}, 2-digit addition, {args.prompts_per_step} prompts x G={args.group_size}, "
+        f"model {args.model}, 2-digit addition, {args.prompts_per_step} prompts x G={args.group_size}, "
         f"{args.max_new_tokens} new tokens, beta {args.beta}, lr {args.lr}, {args.steps} steps (median of 2..N)",
         flush=True,
     )

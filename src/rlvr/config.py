@@ -41,9 +41,12 @@ class ModelConfig(_Section):
     )
 
 
+Operation = Literal["+", "-", "*"]
+
+
 class ArithmeticConfig(_Section):
     digits: int = Field(2, ge=1, le=6, description="Digits per operand.")
-    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    operations: list[Operation] = Field(default_factory=lambda: list[Operation](["+"]))
     heldout_fraction: float = Field(
         0.1, gt=0.0, lt=1.0, description="Share of problems never trained on."
     )

@@ -183,16 +183,16 @@ class LoraSettings:
 class Policy:
     """The trainable model, its tokenizer, and access to the frozen reference policy."""
 
-    model: PreTrainedModel
+    model: Any  # a PreTrainedModel, or a peft PeftModel wrapping one
     tokenizer: Any
     lora: bool
     _reference: PreTrainedModel | None = None
 
     @contextlib.contextmanager
-    def reference(self) -> Iterator[PreTrainedModel]:
+    def reference(self) -> Iterator[Any]:
         """The reference policy for the KL term: adapters disabled (LoRA) or the frozen copy."""
         if self.lora:
-            with self.model.disable_adapter():  # type: ignore[operator]
+            with self.model.disable_adapter():
                 yield self.model
         elif self._reference is not None:
             yield self._reference
@@ -225,7 +225,7 @@ def load_policy(
     try:
         AutoConfig.from_pretrained(path)
         tokenizer = load_tokenizer(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"could not load model '{name}': {first_line}") from err

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from rlvr.algorithms.advantages import group_reward_std
-from rlvr.records import Group, flatten
+from rlvr.records import Group, Trajectory, flatten
 
 
 def rollout_metrics(
@@ -31,6 +31,9 @@ def rollout_metrics(
         "completions/clipped_ratio": statistics.fmean(
             float(t.finish_reason == "length") for t in trajs
         ),
+        # -log p of the sampled tokens under the sampler: a Monte Carlo estimate of the policy's entropy
+        # that exists for every row, including rows the update skipped (see `entropy`).
+        "completions/neg_logprob_mean": _neg_logprob_mean(trajs),
     }
     for name in rubric_names:
         values = [t.rewards[name] for t in trajs if name in t.rewards]
@@ -53,3 +56,13 @@ def rollout_rows(groups: Sequence[Group]) -> list[dict[str, Any]]:
         }
         for t in flatten(groups)
     ]
+
+
+def _neg_logprob_mean(trajs: Sequence[Trajectory]) -> float:
+    total, count = 0.0, 0
+    for t in trajs:
+        for lp, m in zip(t.logprobs, t.policy_mask, strict=True):
+            if m:
+                total -= lp
+                count += 1
+    return total / count if count else float("nan")
