@@ -24,7 +24,6 @@ import time
 from typing import Any
 
 
-
 def _prompts(n: int) -> list[dict[str, Any]]:
     from rlvr.config import ArithmeticConfig
     from rlvr.tasks import arithmetic_tasks
@@ -166,7 +165,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="tiny-random for a smoke run")
+    parser.add_argument(
+        "--model", default="smollm2-135m-instruct", help="tiny-random for a smoke run"
+    )
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompts-per-step", type=int, default=2)

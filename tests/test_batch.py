@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +15,6 @@ from rlvr.records import Trajectory
 from rlvr.train.batch import TrainBatch, collate, token_logprobs
 
 PAD = 0  # tiny_tokenizer's <pad>
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The tiny model is latency-bound: extra intra-op threads only add contention on small CPUs.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,6 @@ from rlvr.rollout.generator import Completion, SamplingParams
 from rlvr.rollout.hf import HFGenerator, sample_from_logits
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The tiny model is latency-bound: extra intra-op threads only add contention on small CPUs.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir: Path) -> tuple[Any, Any]:
     """The tiny random Llama (written once per session by conftest), loaded once per module."""
