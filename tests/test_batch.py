@@ -251,3 +251,15 @@ def test_tokens_outside_policy_mask_get_zero_gradient(
     for before, p in zip(param_grads, model.parameters(), strict=True):
         assert torch.equal(p.grad, before)
     model.zero_grad(set_to_none=True)
+
+
+def test_gradient_checkpointing_falls_back_to_the_plain_path(tiny_model_dir: Path) -> None:
+    """HF drops the KV cache under gradient checkpointing; the shared-prefix path must not be used then."""
+    policy = load_policy(str(tiny_model_dir), gradient_checkpointing=True)
+    policy.model.train()
+    prompt, completion = tuple(range(10, 30)), tuple(range(40, 50))
+    traj = Trajectory("a", prompt + completion, (0,) * 20 + (1,) * 10, (0.0,) * 30, 20, "", "stop")
+    batch = collate([traj, traj], [[1.0] * 10] * 2, PAD)
+    shared, _ = token_logprobs(policy.model, batch, 1.0, share_prefix=True)
+    plain, _ = token_logprobs(policy.model, batch, 1.0, share_prefix=False)
+    torch.testing.assert_close(shared, plain, rtol=0, atol=1e-5)

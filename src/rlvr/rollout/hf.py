@@ -141,7 +141,6 @@ class HFGenerator:
         finish: list[str] = ["length"] * rows
         active = list(range(rows))  # row ids still generating, in batch order
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long)
-        max_stop_chars = max((len(s) for s in sampling.stop), default=0)
 
         for step in range(sampling.max_new_tokens):
             new_tokens_B, new_logprobs_B = sample_from_logits(logits_B_V, sampling, self.rng)
@@ -151,7 +150,7 @@ class HFGenerator:
                 tokens[row].append(int(new_tokens_B[b]))
                 logprobs[row].append(float(new_logprobs_B[b]))
                 if bool(done_B[b]) or (
-                    max_stop_chars and self._hit_stop(tokens[row], sampling.stop, max_stop_chars)
+                    sampling.stop and self._hit_stop(tokens[row], sampling.stop)
                 ):
                     finish[row] = "stop"
                 else:
@@ -186,7 +185,7 @@ class HFGenerator:
         ]
         return [completions[i * n : (i + 1) * n] for i in range(num_prompts)]
 
-    def _hit_stop(self, row_tokens: list[int], stops: tuple[str, ...], max_chars: int) -> bool:
+    def _hit_stop(self, row_tokens: list[int], stops: tuple[str, ...]) -> bool:
         # Decode the whole row (microseconds at these lengths): a tail of a few tokens can miss a stop
         # string split by special tokens, which decode to nothing.
         text = self.tokenizer.decode(row_tokens, skip_special_tokens=True)

@@ -120,8 +120,11 @@ def token_logprobs(
     fp32 whatever the matmul dtype. The entropy is detached (a metric) unless `entropy_grad` asks for
     its gradient (an entropy bonus).
     """
+    # Gradient checkpointing makes HF drop the KV cache in training mode, so the shared prefix cannot
+    # be carried to the completions: take the plain path then.
+    checkpointing = model.training and _activation_checkpointing(model)
     with autocast_context(bf16):
-        if share_prefix:
+        if share_prefix and not checkpointing:
             logits_B_C_V = _shared_prefix_logits(model, batch)
         else:
             logits_B_C_V = _plain_logits(model, batch)
@@ -165,6 +168,11 @@ def _shared_prefix_logits(model: Any, batch: TrainBatch) -> torch.Tensor:
         use_cache=True,
         logits_to_keep=1,
     )
+    if cache.get_seq_length() != batch.prompt_ids_P_Lp.shape[1]:
+        # A model that ignored the cache would silently score completions without their prompt.
+        raise RuntimeError(
+            "the model did not fill its KV cache; use train.share_prompt_prefix=false"
+        )
     # The gather is an index op, so gradients of every row flow back into the shared prompt pass.
     cache.batch_select_indices(batch.row_prompt_B)
     first_logits_B_V = out_p.logits[:, -1, :].index_select(0, batch.row_prompt_B)
@@ -182,3 +190,13 @@ def _shared_prefix_logits(model: Any, batch: TrainBatch) -> torch.Tensor:
         logits_to_keep=batch.completion_width,
     )
     return torch.cat([first_logits_B_V[:, None, :], out_c.logits[:, :-1, :]], dim=1)
+
+
+def _activation_checkpointing(model: Any) -> bool:
+    # transformers renamed is_gradient_checkpointing to is_activation_checkpointing (5.x); ask the new
+    # name first so the old one's deprecation warning is not triggered.
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        value = getattr(model, name, None)
+        if value is not None:
+            return bool(value)
+    return False
