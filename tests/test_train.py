@@ -207,3 +207,34 @@ def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(
     assert any(not torch.equal(initial[k], weights[True][k]) for k in initial)  # it did train
     for name in weights[True]:
         torch.testing.assert_close(weights[True][name], weights[False][name], rtol=1e-5, atol=1e-7)
+
+
+def test_cli_resume_without_config_uses_the_saved_one(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from rlvr.cli import app
+
+    run = tmp_path / "cli-run"
+    common = ["--set", f"model.name={tiny_model_dir}", "--set", "tracking.progress=false"]
+    first = CliRunner().invoke(
+        app,
+        [
+            "train",
+            str(tiny_config_dir / "tiny.yaml"),
+            "--output-dir",
+            str(run),
+            "--set",
+            "train.steps=2",
+            "--set",
+            "eval.n=2",
+            *common,
+        ],
+    )
+    assert first.exit_code == 0, first.output
+    again = CliRunner().invoke(app, ["train", "--resume", str(run), "--set", "train.steps=3"])
+    assert again.exit_code == 0, again.output
+    steps = [m["step"] for m in read_metrics(run) if "loss" in m]
+    assert steps == [1, 2, 3]
+    assert "steps: 3" in (run / "config.yaml").read_text()  # the effective config is saved

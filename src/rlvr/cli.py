@@ -29,7 +29,9 @@ def _quiet_libraries() -> None:
 
 @app.command()
 def train(
-    config: Annotated[Path, typer.Argument(help="YAML config (see examples/).")],
+    config: Annotated[
+        Path | None, typer.Argument(help="YAML config (see examples/); optional with --resume.")
+    ] = None,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="Override: key.sub=value (repeatable).")
     ] = None,
@@ -37,30 +39,43 @@ def train(
         str | None, typer.Option("--output-dir", help="RUN_DIR (overrides output_dir).")
     ] = None,
     resume: Annotated[
-        str | None, typer.Option("--resume", help="Continue the run in this RUN_DIR.")
+        str | None,
+        typer.Option(
+            "--resume",
+            help="Continue the run in this RUN_DIR from its last checkpoint, under CONFIG if given, "
+            "else under the run's saved config.yaml.",
+        ),
     ] = None,
 ) -> None:
     """Train a policy as CONFIG says; metrics, rollouts and checkpoints go to the run directory."""
     from rlvr.config import load_config
+    from rlvr.errors import ConfigError
 
     overrides = list(set_ or [])
     if resume is not None:
         run_dir = Path(resume)
+        if output_dir is not None and Path(output_dir) != run_dir:
+            raise ConfigError(
+                f"--resume '{resume}' and --output-dir '{output_dir}' disagree; give one"
+            )
         saved = run_dir / "config.yaml"
         if not saved.exists():
-            from rlvr.errors import ConfigError
-
             raise ConfigError(f"--resume '{resume}': no config.yaml there (not a run directory)")
-        cfg = load_config(saved, [*overrides, f"output_dir={run_dir}"])
+        source = config if config is not None else saved
+        cfg = load_config(source, [*overrides, f"output_dir={run_dir}"])
+        config_dir = source.parent
     else:
+        if config is None:
+            raise ConfigError("give a CONFIG.yaml to train (or --resume RUN_DIR)")
         if output_dir is not None:
             overrides.append(f"output_dir={output_dir}")
         cfg = load_config(config, overrides)
+        config_dir = config.parent
     # The config is checked before torch and transformers load (seconds), so a typo answers at once.
     _quiet_libraries()
     from rlvr.train.loop import train as run_training
 
-    summary = run_training(cfg, resume=resume is not None, config_dir=config.parent)
+    summary = run_training(cfg, resume=resume is not None, config_dir=config_dir)
     _print_summary(summary, cfg.tracking.project if cfg.tracking.trackio else None)
 
 
@@ -99,7 +114,9 @@ def eval_command(
     k: Annotated[
         int, typer.Option("--k", help="Samples per task for mean@k (1 = greedy pass@1 only).")
     ] = 1,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
+    max_new_tokens: Annotated[
+        int | None, typer.Option("--max-new-tokens", help="Default: the run's (or 64 for a model).")
+    ] = None,
     temperature: Annotated[float, typer.Option("--temperature", help="For mean@k sampling.")] = 1.0,
 ) -> None:
     """Greedy pass@1 (and mean@k with --k) on the task's held-out split."""

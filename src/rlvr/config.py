@@ -37,7 +37,7 @@ class ModelConfig(_Section):
     bf16: Literal["auto", "on", "off"] = Field(
         "auto",
         description="bf16 autocast for matmuls (log-probs and losses stay fp32). 'auto' turns it on "
-        "only where the CPU has native bf16 (avx512_bf16/AMX) or on CUDA; elsewhere bf16 is slower.",
+        "only where the CPU has native bf16 (avx512_bf16/AMX); elsewhere bf16 is slower.",
     )
 
 

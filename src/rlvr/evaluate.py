@@ -6,6 +6,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from rlvr.errors import ConfigError
 from rlvr.records import Task, flatten
 from rlvr.rollout.generator import Generator, SamplingParams
 from rlvr.rollout.single_turn import rollout_groups
@@ -31,6 +32,8 @@ def evaluate(
     tasks with at least one correct sample. Rollouts whose verifier raised count as wrong here and are
     reported in `eval/errors`.
     """
+    if not tasks:
+        raise ConfigError("no held-out tasks to evaluate (empty held-out split)")
     greedy = k == 1
     sampling = SamplingParams(
         n=k, temperature=0.0 if greedy else temperature, max_new_tokens=max_new_tokens, stop=stop

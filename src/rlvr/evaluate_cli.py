@@ -32,27 +32,32 @@ def _load_from_run(run_dir: Path) -> tuple[Policy, RunConfig]:
 
 
 def run_eval(
-    model: str, *, task: str, n: int, k: int, max_new_tokens: int, temperature: float
+    model: str, *, task: str, n: int, k: int, max_new_tokens: int | None, temperature: float
 ) -> dict[str, float]:
+    """Defaults (token limit, stop strings, metric) come from the run's config, as in training."""
     path = Path(model)
     cfg: RunConfig
     if path.is_dir() and (path / "config.yaml").exists():
         policy, cfg = _load_from_run(path)
     else:
         policy, cfg = load_policy(model), load_config(None)
+    base_dir = None
     if task.endswith((".yaml", ".yml")):
         task_cfg = load_config(task)
+        base_dir = Path(task).parent
         cfg = cfg.model_copy(update={"task": task_cfg.task, "rewards": task_cfg.rewards})
     elif task != "arithmetic" and task != cfg.task.source:
         raise ConfigError(
             f"--task '{task}': expected 'arithmetic' or a config .yaml whose task section to use"
         )
-    rubric = build_rubric(cfg.rewards)
+    rubric = build_rubric(cfg.rewards, base_dir=base_dir)
+    limit = max_new_tokens or cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens
+    stop = tuple(cfg.sampling.stop)
     metric = cfg.eval.metric or rubric.names[0]
     tasks = load_tasks(cfg.task).heldout[:n]
     generator = build_generator(policy, cfg)
     results = evaluate(
-        tasks, generator, policy.tokenizer, rubric, metric=metric, max_new_tokens=max_new_tokens
+        tasks, generator, policy.tokenizer, rubric, metric=metric, max_new_tokens=limit, stop=stop
     )
     if k > 1:
         sampled = evaluate(
@@ -61,7 +66,8 @@ def run_eval(
             policy.tokenizer,
             rubric,
             metric=metric,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=limit,
+            stop=stop,
             k=k,
             temperature=temperature,
         )

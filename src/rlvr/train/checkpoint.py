@@ -86,7 +86,14 @@ def load_weights_into(model: Any, checkpoint: Path, lora: bool) -> None:
     if lora:
         from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(model, load_file(str(model_dir / "adapter_model.safetensors")))
+        result = set_peft_model_state_dict(
+            model, load_file(str(model_dir / "adapter_model.safetensors"))
+        )
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected:
+            raise ConfigError(
+                f"checkpoint {checkpoint}: adapter does not match the LoRA config (unexpected {unexpected[:3]})"
+            )
         return
     state: dict[str, torch.Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):

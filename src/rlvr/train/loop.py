@@ -130,6 +130,7 @@ def policy_update(
     temperature = cfg.sampling.temperature
     share = cfg.train.share_prompt_prefix
 
+    model.eval()  # pi_old and pi_ref are scored without dropout; the gradient pass below trains
     with torch.no_grad():
         old_logprobs = (
             [
@@ -254,8 +255,8 @@ def train(
     cfg = absolutize_reward_files(cfg, config_dir)
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    # The effective config (a resume may change fields with --set), so `rlvr eval RUN_DIR` sees it.
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     seed_everything(cfg.train.seed)
 
     rubric = build_rubric(cfg.rewards, base_dir=config_dir)
@@ -363,7 +364,8 @@ def train(
                 }
             )
             # 4. held-out eval, metrics, checkpoint
-            if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
+            at_end_anyway = step == cfg.train.steps and cfg.eval.at_end
+            if cfg.eval.every and step % cfg.eval.every == 0 and not at_end_anyway:
                 ev = run_eval()
                 summary.eval_history.append((step, ev))
                 metrics.update(ev)
