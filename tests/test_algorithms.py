@@ -17,7 +17,6 @@ from rlvr.algorithms import (
     aggregate,
     group_reward_std,
     grpo_advantages,
-    masked_mean,
     ppo_clip_loss,
 )
 
@@ -267,11 +266,6 @@ def test_aggregate_micro_batches_sum_to_full_batch(mode: str) -> None:
 def test_aggregate_unknown_mode_raises() -> None:
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         aggregate(LOSS_2x3, MASK_2x3, "sum")
-
-
-def test_masked_mean() -> None:
-    # (1 + 2 + 4) / 3 = 2.33333
-    close(masked_mean(LOSS_2x3, MASK_2x3), 7 / 3)
 
 
 # --- registry

@@ -12,7 +12,6 @@ from rlvr.algorithms.losses import (
     POLICY_LOSSES,
     PolicyLossOutput,
     aggregate,
-    masked_mean,
     ppo_clip_loss,
 )
 
@@ -45,6 +44,5 @@ __all__ = [
     "aggregate",
     "group_reward_std",
     "grpo_advantages",
-    "masked_mean",
     "ppo_clip_loss",
 ]

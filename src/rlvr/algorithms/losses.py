@@ -133,8 +133,3 @@ def aggregate(
         length = norm_length if norm_length is not None else float(loss_B_T.shape[1])
         return (loss_B_T * mask).sum() / (n_seq * length)
     raise ValueError(f"unknown loss aggregation {mode!r}; one of {', '.join(AGGREGATIONS)}")
-
-
-def masked_mean(values_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
-    mask = mask_B_T.to(values_B_T.dtype)
-    return (values_B_T * mask).sum() / mask.sum().clamp(min=1.0)

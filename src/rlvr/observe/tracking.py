@@ -48,8 +48,6 @@ class Tracker:
         if resume_step is not None:
             truncate_jsonl(self.metrics_path, resume_step)
             truncate_jsonl(self.rollouts_path, resume_step)
-        self.project = project
-        self.run_name = run_name
         self._trackio: Any = None
         if use_trackio:
             import trackio

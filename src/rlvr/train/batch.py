@@ -50,10 +50,6 @@ class TrainBatch:
     def completion_width(self) -> int:
         return int(self.completion_ids_B_C.shape[1])
 
-    @property
-    def targets_B_C(self) -> torch.Tensor:
-        return self.completion_ids_B_C
-
 
 def collate(
     trajectories: Sequence[Trajectory],
@@ -130,7 +126,7 @@ def token_logprobs(
             logits_B_C_V = _plain_logits(model, batch)
     logits_B_C_V = logits_B_C_V.float() / temperature
     logprobs_B_C_V = torch.log_softmax(logits_B_C_V, dim=-1)
-    logprobs_B_C = logprobs_B_C_V.gather(2, batch.targets_B_C[:, :, None]).squeeze(2)
+    logprobs_B_C = logprobs_B_C_V.gather(2, batch.completion_ids_B_C[:, :, None]).squeeze(2)
     entropy_B_C = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
