@@ -193,6 +193,7 @@ def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(
             "train.micro_batch_size=4",
             "train.steps=4",
             'rewards=[{fn: regex_format, name: has_digit, options: {pattern: "[0-9]"}}]',
+            "eval.metric=has_digit",
         )
         summary = train(cfg, config_dir=tiny_config_dir)
         rows = [m for m in read_metrics(summary.run_dir) if "loss" in m]

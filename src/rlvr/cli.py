@@ -126,6 +126,40 @@ def eval_command(
     run_eval(model, task=task, n=n, k=k, max_new_tokens=max_new_tokens, temperature=temperature)
 
 
+@app.command("inspect")
+def inspect_run(
+    run_dir: Annotated[Path, typer.Argument(help="RUN_DIR of a training run.")],
+    step: Annotated[
+        int | None,
+        typer.Option("--step", help="Training step to show (default: the latest saved)."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out", help="HTML file to write (default: RUN_DIR/inspect/step_NNNNNN.html)."
+        ),
+    ] = None,
+) -> None:
+    """Write a static HTML page of one step's trajectories, tokens coloured by mask and advantage."""
+    from rlvr.observe.inspect import render_html
+
+    print(render_html(run_dir, step=step, out=out))
+
+
+@app.command("envs")
+def envs_command() -> None:
+    """List the built-in environments, one line each, with their example config."""
+    from rlvr.envs import ENV_FAMILIES
+    from rlvr.envs.base import get_env_family
+
+    get_env_family("calculator")  # imports and registers the built-ins
+    width = max(len(name) for name in ENV_FAMILIES)
+    for name in sorted(ENV_FAMILIES):
+        family = ENV_FAMILIES[name]
+        example = f"  ({family.example_config})" if family.example_config else ""
+        print(f"{name:<{width}}  {family.description}{example}")
+
+
 def main() -> None:
     from rlvr.errors import RlvrError
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlvr.errors import ConfigError
 
@@ -66,19 +66,69 @@ class DatasetConfig(_Section):
     extra_columns: list[str] = Field(default_factory=list, description="More fields for verifiers.")
 
 
+class EnvConfig(_Section):
+    name: str = Field(..., description="A built-in env (`rlvr envs` lists them).")
+    options: dict[str, Any] = Field(default_factory=dict, description="The env family's options.")
+    reward_weights: dict[str, float] = Field(
+        default_factory=dict, description="Weight per env reward part, over the env's defaults."
+    )
+    num_train: int = Field(2000, ge=1, description="Distinct training instances generated.")
+    num_heldout: int = Field(200, ge=1, description="Distinct held-out instances generated.")
+    heldout_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+
+
 class TaskConfig(_Section):
-    source: Literal["arithmetic", "dataset"] = "arithmetic"
+    source: Literal["arithmetic", "dataset", "env"] = "arithmetic"
     arithmetic: ArithmeticConfig = ArithmeticConfig()
     dataset: DatasetConfig | None = None
+    env: EnvConfig | None = None
     system_prompt: str | None = Field(None, description="Prepended as a system message when set.")
 
     @model_validator(mode="after")
-    def _dataset_present(self) -> TaskConfig:
+    def _source_present(self) -> TaskConfig:
         if self.source == "dataset" and self.dataset is None:
             raise ValueError(
                 "task.source is 'dataset' but task.dataset is missing (needs at least path)"
             )
+        if self.source == "env" and self.env is None:
+            raise ValueError("task.source is 'env' but task.env is missing (needs at least name)")
         return self
+
+
+class RolloutConfig(_Section):
+    """Limits on one episode (multi-turn envs); a single-turn task uses one turn whatever is set."""
+
+    max_turns: int | None = Field(None, ge=1, description="Turn cap; None = the env's default.")
+    max_total_tokens: int = Field(
+        1024, ge=1, description="Completion tokens per episode: sampled turns + observations."
+    )
+    max_observation_tokens: int = Field(
+        256, ge=1, description="Each observation message is cut to this many tokens."
+    )
+    observation_truncation: Literal["left", "right", "middle"] = Field(
+        "right", description="Which side of a long observation is dropped."
+    )
+    tool_timeout_s: float = Field(5.0, gt=0.0, description="Wall-clock limit per tool call.")
+    max_tool_calls_per_turn: int = Field(4, ge=1)
+
+
+class FilterConfig(_Section):
+    """Which sampled groups reach the update. StarPO-S (RAGEN, Wang et al. 2025) keeps the groups whose
+    rewards vary most; DAPO (Yu et al. 2025) drops zero-variance groups and samples again."""
+
+    group_filter: Literal["none", "std-top-p", "std-top-k"] = Field(
+        "none",
+        description="std-top-p: keep the highest-std groups holding top_p of the total std; "
+        "std-top-k: keep the top_k_fraction of groups by std.",
+    )
+    top_p: float = Field(0.9, gt=0.0, le=1.0)
+    top_k_fraction: float = Field(0.75, gt=0.0, le=1.0)
+    drop_zero_std: bool = Field(False, description="Drop groups whose rewards are all equal.")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: keep sampling until prompts_per_step groups survive the filter.",
+    )
+    max_sampling_rounds: int = Field(3, ge=1, description="Cap on rollout rounds per step.")
 
 
 class RewardSpec(_Section):
@@ -121,6 +171,15 @@ class ObjectiveConfig(_Section):
         1, ge=1, description="Policy updates per generated batch (mu in GRPO)."
     )
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight.")
+    credit: Literal["trajectory", "turn", "bi-level"] = Field(
+        "trajectory",
+        description="trajectory: every policy token gets the trajectory's group advantage; turn: "
+        "each turn gets the group advantage of its discounted return; bi-level: both, summed.",
+    )
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount across turns (turn credit).")
+    turn_weight: float = Field(
+        1.0, ge=0.0, description="Weight of the turn advantage in bi-level credit."
+    )
 
 
 class TrainConfig(_Section):
@@ -172,6 +231,33 @@ class TrackingConfig(_Section):
     project: str = "rlvr"
     run_name: str | None = None
     progress: bool = True
+    trajectories_every: int = Field(
+        1,
+        ge=0,
+        description="Save token-level trajectories (for `rlvr inspect`) every k steps; 0 = never.",
+    )
+
+
+def _default_rewards(task: Any) -> list[dict[str, Any]]:
+    # Envs score themselves (their reward parts); plain tasks default to a numeric answer check.
+    source = task.get("source") if isinstance(task, dict) else getattr(task, "source", None)
+    return [] if source == "env" else [{"fn": "numeric_match", "name": "correct"}]
+
+
+class MixtureComponent(_Section):
+    """One source of a mixture: a task set or env with its own rubric, drawn with `weight`."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="Used in metric names.")
+    weight: float = Field(1.0, gt=0.0, description="Relative sampling weight.")
+    task: TaskConfig
+    rewards: list[RewardSpec] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rewards_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "rewards" not in data:
+            data = {**data, "rewards": _default_rewards(data.get("task", {}))}
+        return data
 
 
 class RunConfig(_Section):
@@ -180,9 +266,15 @@ class RunConfig(_Section):
     task: TaskConfig = TaskConfig()
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(fn="numeric_match", name="correct")],
-        min_length=1,
+        description="Rubric functions; default numeric_match for plain tasks, none for envs.",
+    )
+    mixture: list[MixtureComponent] = Field(
+        default_factory=list,
+        description="Several task sets / envs in one run, each with its rubric; replaces task and rewards.",
     )
     sampling: SamplingConfig = SamplingConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    filter: FilterConfig = FilterConfig()
     objective: ObjectiveConfig = ObjectiveConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
@@ -190,14 +282,39 @@ class RunConfig(_Section):
     tracking: TrackingConfig = TrackingConfig()
     output_dir: str = Field("runs/latest", description="RUN_DIR: metrics, checkpoints, config.")
 
-    @field_validator("rewards")
+    @model_validator(mode="before")
     @classmethod
-    def _unique_reward_names(cls, rewards: list[RewardSpec]) -> list[RewardSpec]:
-        names = [r.name or r.fn.rsplit(":", 1)[-1] for r in rewards]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"reward names must be unique; repeated: {', '.join(dupes)}")
-        return rewards
+    def _rewards_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "rewards" not in data and not data.get("mixture"):
+            data = {**data, "rewards": _default_rewards(data.get("task", {}))}
+        return data
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> RunConfig:
+        components = self.components()
+        for c in components:
+            names = [r.name or r.fn.rsplit(":", 1)[-1] for r in c.rewards]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"reward names must be unique; repeated: {', '.join(dupes)}")
+            if not c.rewards and c.task.source != "env":
+                raise ValueError(
+                    f"{'mixture ' + c.name + ': ' if self.mixture else ''}rewards is empty; "
+                    "a task without an env needs at least one reward function"
+                )
+        if self.mixture:
+            if {"task", "rewards"} & self.model_fields_set:
+                raise ValueError("give either mixture or task/rewards, not both")
+            names = [c.name for c in self.mixture]
+            if len(set(names)) != len(names):
+                raise ValueError("mixture component names must be unique")
+        return self
+
+    def components(self) -> list[MixtureComponent]:
+        """The run's task sources: the mixture, or the single task + rewards as one component."""
+        if self.mixture:
+            return list(self.mixture)
+        return [MixtureComponent(name="main", task=self.task, rewards=self.rewards)]
 
 
 # ---------------------------------------------------------------------------------------------- loading

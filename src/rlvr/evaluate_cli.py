@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from rlvr.build import build_generator, build_rubric
+from rlvr.build import build_generator
 from rlvr.config import RunConfig, load_config
 from rlvr.errors import ConfigError
-from rlvr.evaluate import evaluate
+from rlvr.evaluate import evaluate_sources
 from rlvr.models import Policy, load_policy, load_tokenizer
-from rlvr.tasks import load_tasks
 from rlvr.train.checkpoint import latest_checkpoint
+from rlvr.train.loop import rollout_limits
+from rlvr.train.sources import Sources
 
 
 def _load_from_run(run_dir: Path) -> tuple[Policy, RunConfig]:
@@ -45,43 +47,49 @@ def run_eval(
     if task.endswith((".yaml", ".yml")):
         task_cfg = load_config(task)
         base_dir = Path(task).parent
-        cfg = cfg.model_copy(update={"task": task_cfg.task, "rewards": task_cfg.rewards})
+        cfg = cfg.model_copy(
+            update={
+                "task": task_cfg.task,
+                "rewards": task_cfg.rewards,
+                "mixture": task_cfg.mixture,
+                "rollout": task_cfg.rollout,
+            }
+        )
     elif task != "arithmetic" and task != cfg.task.source:
         raise ConfigError(
             f"--task '{task}': expected 'arithmetic' or a config .yaml whose task section to use"
         )
-    rubric = build_rubric(cfg.rewards, base_dir=base_dir)
     limit = max_new_tokens or cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens
-    stop = tuple(cfg.sampling.stop)
-    metric = cfg.eval.metric or rubric.names[0]
-    tasks = load_tasks(cfg.task).heldout[:n]
+    sources = Sources(cfg, base_dir)
     generator = build_generator(policy, cfg)
-    results = evaluate(
-        tasks, generator, policy.tokenizer, rubric, metric=metric, max_new_tokens=limit, stop=stop
-    )
+    common: dict[str, Any] = {
+        "n": n,
+        "max_new_tokens": limit,
+        "stop": tuple(cfg.sampling.stop),
+        "limits": rollout_limits(cfg),
+    }
+    results = evaluate_sources(sources, generator, policy.tokenizer, **common)
     if k > 1:
-        sampled = evaluate(
-            tasks,
-            generator,
-            policy.tokenizer,
-            rubric,
-            metric=metric,
-            max_new_tokens=limit,
-            stop=stop,
-            k=k,
-            temperature=temperature,
+        sampled = evaluate_sources(
+            sources, generator, policy.tokenizer, k=k, temperature=temperature, **common
         )
         results[f"eval/mean@{k}"] = sampled["eval/accuracy"]
-        results[f"eval/pass@{k}"] = sampled["eval/pass@k"]
-    table = Table(title=f"{model} on {task} held-out ({len(tasks)} tasks)")
+        if "eval/pass@k" in sampled:
+            results[f"eval/pass@{k}"] = sampled["eval/pass@k"]
+    n_tasks = sum(min(n, len(s.splits.heldout)) for s in sources)
+    table = Table(title=f"{model} on {task} held-out ({n_tasks} tasks)")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("pass@1 (greedy)", f"{results['eval/accuracy']:.1%}")
     if k > 1:
         table.add_row(f"mean@{k}", f"{results[f'eval/mean@{k}']:.1%}")
-        table.add_row(f"pass@{k}", f"{results[f'eval/pass@{k}']:.1%}")
-    table.add_row("mean completion tokens", f"{results['eval/mean_length']:.1f}")
-    table.add_row("verifier errors", f"{int(results['eval/errors'])}")
+        if f"eval/pass@{k}" in results:
+            table.add_row(f"pass@{k}", f"{results[f'eval/pass@{k}']:.1%}")
+    if "eval/tool_call_rate" in results:
+        table.add_row("tool-call rate", f"{results['eval/tool_call_rate']:.1%}")
+    if "eval/mean_length" in results:
+        table.add_row("mean completion tokens", f"{results['eval/mean_length']:.1f}")
+        table.add_row("verifier errors", f"{int(results['eval/errors'])}")
     Console().print(table)
     print(json.dumps(results))
     return results

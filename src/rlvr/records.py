@@ -15,7 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FinishReason = Literal["stop", "length", "error"]
+# stop: the episode ended (EOS / stop string single-turn, env done multi-turn); length: a token limit
+# cut the last turn; max_turns: the turn cap ended an unfinished episode; error: the env raised.
+FinishReason = Literal["stop", "length", "max_turns", "error"]
 
 
 @dataclass(frozen=True)
@@ -24,13 +26,15 @@ class Task:
 
     `messages` are chat messages (`{"role": ..., "content": ...}`); `fields` carries whatever the verifiers
     need (`answer`, `tests`, ...) and reaches each reward function by keyword. `id` is stable across runs
-    so rollouts can be traced back to their task.
+    so rollouts can be traced back to their task. `source` names the mixture component (task set or
+    env) the task came from; "" for a run with one source.
     """
 
     id: str
     messages: tuple[Mapping[str, str], ...]
     fields: Mapping[str, Any] = field(default_factory=dict)
     tools: tuple[Mapping[str, Any], ...] = ()
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,13 @@ class Trajectory:
 
     Invariants (checked in `__post_init__`): `token_ids`, `policy_mask` and `logprobs` have equal length T;
     `logprobs[t]` is the behaviour policy's log-prob of `token_ids[t]` where `policy_mask[t] == 1` and 0.0
-    elsewhere; `prompt_length` tokens come first. `turns` holds the span of each assistant turn.
-    `rewards` are the rubric's components by name, `reward` their weighted total; `reward_errors` names the
-    components whose function raised (such a trajectory is excluded from the update).
+    elsewhere; `prompt_length` tokens come first. `turns` holds the span of each assistant turn (the
+    tokens between two spans are observations and template glue, policy_mask 0).
+    `rewards` are the components by name (rubric functions and the env's reward parts summed over
+    turns), `reward` their weighted total and `turn_rewards` that total split by turn (the rubric's
+    share lands on the last turn); `reward_errors` names the components whose function raised (such a
+    trajectory is excluded from the update). `completion_text` is the last assistant turn's text,
+    `messages` the conversation after the prompt (assistant turns as decoded, observations as sent).
     """
 
     task_id: str
@@ -63,6 +71,9 @@ class Trajectory:
     rewards: Mapping[str, float] = field(default_factory=dict)
     reward: float = 0.0
     reward_errors: tuple[str, ...] = ()
+    turn_rewards: tuple[float, ...] = ()
+    messages: tuple[Mapping[str, Any], ...] = ()
+    source: str = ""
     info: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,6 +85,9 @@ class Trajectory:
             )
         if not 0 <= self.prompt_length <= n:
             raise ValueError(f"trajectory {self.task_id}: prompt_length {self.prompt_length} > {n}")
+        for span in self.turns:
+            if not self.prompt_length <= span.start <= span.end <= n:
+                raise ValueError(f"trajectory {self.task_id}: turn {span} outside the completion")
 
     @property
     def completion_ids(self) -> tuple[int, ...]:

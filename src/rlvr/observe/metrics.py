@@ -43,16 +43,61 @@ def rollout_metrics(
     return out
 
 
+def agent_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Turns, tool use and env failures. `tools/call_frequency` is tool calls per trajectory and
+    `tools/failure_frequency` the share of calls that failed (TRL's names); `tools/errors/<kind>`
+    splits the failures (malformed, unknown_tool, bad_arguments, raised, timeout, too_many_calls)."""
+    if not trajs:
+        return {}
+    calls = sum(float(t.info.get("tool_calls", 0.0)) for t in trajs)
+    failures = sum(float(t.info.get("tool_failures", 0.0)) for t in trajs)
+    out = {
+        "turns/mean": statistics.fmean(len(t.turns) for t in trajs),
+        "turns/max": float(max(len(t.turns) for t in trajs)),
+        "turns/max_turns_ratio": statistics.fmean(
+            float(t.finish_reason == "max_turns") for t in trajs
+        ),
+        "env/errors": float(sum("env" in t.reward_errors for t in trajs)),
+        "tools/call_frequency": calls / len(trajs),
+        "tools/failure_frequency": failures / calls if calls else 0.0,
+        "tools/call_rate": statistics.fmean(float(t.info.get("tool_calls", 0) > 0) for t in trajs),
+    }
+    kinds = sorted({k for t in trajs for k in t.info if k.startswith("tool_errors/")})
+    for key in kinds:
+        out["tools/errors/" + key.split("/", 1)[1]] = sum(
+            float(t.info.get(key, 0.0)) for t in trajs
+        )
+    return out
+
+
+def source_metrics(trajs: Sequence[Trajectory], metric_of: dict[str, str]) -> dict[str, float]:
+    """Per mixture source: `env/<source>/reward`, `env/<source>/accuracy` (its success metric), count."""
+    out: dict[str, float] = {}
+    for source, metric in metric_of.items():
+        mine = [t for t in trajs if t.source == source and t.usable]
+        out[f"env/{source}/count"] = float(len(mine))
+        if mine:
+            out[f"env/{source}/reward"] = statistics.fmean(t.reward for t in mine)
+            out[f"env/{source}/accuracy"] = statistics.fmean(
+                t.rewards.get(metric, 0.0) for t in mine
+            )
+    return out
+
+
 def rollout_rows(groups: Sequence[Group]) -> list[dict[str, Any]]:
     return [
         {
             "task_id": t.task_id,
+            "source": t.source,
             "completion": t.completion_text[:2000],
+            "messages": [{**m, "content": str(m.get("content", ""))[:2000]} for m in t.messages],
             "reward": t.reward,
             "rewards": dict(t.rewards),
+            "turn_rewards": list(t.turn_rewards),
             "errors": dict(t.info.get("reward_errors", {})),
             "finish_reason": t.finish_reason,
             "num_tokens": t.num_policy_tokens,
+            "num_turns": len(t.turns),
         }
         for t in flatten(groups)
     ]

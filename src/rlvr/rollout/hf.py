@@ -46,6 +46,35 @@ def sample_from_logits(
     return tokens_B, logprobs_B_V.gather(1, tokens_B[:, None]).squeeze(1)
 
 
+def shared_prefix_groups(
+    prompts: Sequence[Sequence[int]], min_shared: int
+) -> list[tuple[int, list[int]]]:
+    """Split prompts into runs of consecutive prompts sharing a prefix of >= min_shared tokens.
+
+    Returns [(prefix_length, member indices)] in order; prefix_length leaves every member at least
+    one token of its own (the one whose logits start sampling). A run of one has prefix_length 0.
+    """
+    runs: list[tuple[int, list[int]]] = []  # (common prefix length so far, members)
+    for i, prompt in enumerate(prompts):
+        if runs:
+            length, members = runs[-1]
+            first = prompts[members[0]]
+            common = 0
+            limit = min(length, len(prompt))
+            while common < limit and first[common] == prompt[common]:
+                common += 1
+            if common >= min_shared:
+                runs[-1] = (common, [*members, i])
+                continue
+        runs.append((len(prompt), [i]))
+    return [
+        (min(length, min(len(prompts[m]) for m in members) - 1), members)
+        if len(members) > 1
+        else (0, members)
+        for length, members in runs
+    ]
+
+
 class HFGenerator:
     """Generator over an in-process HF causal LM (a plain model or a peft wrapper)."""
 
@@ -58,6 +87,7 @@ class HFGenerator:
         seed: int = 0,
         autocast_bf16: bool = True,
         max_batch_rows: int = 256,
+        min_shared_prefix: int = 32,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -65,6 +95,7 @@ class HFGenerator:
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.autocast_bf16 = autocast_bf16
         self.max_batch_rows = max_batch_rows
+        self.min_shared_prefix = min_shared_prefix
         self.rng = torch.Generator().manual_seed(seed)
 
     # The sampler's state travels with checkpoints (see train/checkpoint.py).
@@ -107,33 +138,16 @@ class HFGenerator:
     ) -> list[list[Completion]]:
         n = sampling.n
         num_prompts = len(prompts)
-        max_len = max(len(p) for p in prompts)
         if min(len(p) for p in prompts) == 0:
             raise ValueError("cannot generate from an empty prompt")
-        # Left padding, so the newest token of every row sits in the last column.
-        input_ids_P_L = torch.full((num_prompts, max_len), self.pad_token_id, dtype=torch.long)
-        mask_P_L = torch.zeros((num_prompts, max_len), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            input_ids_P_L[i, max_len - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-            mask_P_L[i, max_len - len(prompt) :] = 1
-        positions_P_L = (mask_P_L.cumsum(dim=1) - 1).clamp(min=0)
-
         cache = DynamicCache()
-        with self._autocast():
-            out = self.model(
-                input_ids=input_ids_P_L,
-                attention_mask=mask_P_L,
-                position_ids=positions_P_L,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+        logits_P_V, mask_P_L, next_pos_P = self._prefill(prompts, cache)
         # One prefill per prompt; its cache is shared by the prompt's n samples.
         if n > 1:
             cache.batch_repeat_interleave(n)
-        logits_B_V = out.logits[:, -1, :].repeat_interleave(n, dim=0)
+        logits_B_V = logits_P_V.repeat_interleave(n, dim=0)
         mask_B_L = mask_P_L.repeat_interleave(n, dim=0)
-        next_pos_B = positions_P_L[:, -1].repeat_interleave(n, dim=0) + 1
+        next_pos_B = next_pos_P.repeat_interleave(n, dim=0)
 
         rows = num_prompts * n
         tokens: list[list[int]] = [[] for _ in range(rows)]
@@ -184,6 +198,65 @@ class HFGenerator:
             for r in range(rows)
         ]
         return [completions[i * n : (i + 1) * n] for i in range(num_prompts)]
+
+    def _prefill(
+        self, prompts: Sequence[Sequence[int]], cache: DynamicCache
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run the prompts into `cache`; returns (last logits (P, V), attention mask (P, L), next
+        position (P,)). Consecutive prompts that share a long prefix (the G conversations of one
+        task after its first turn) prefill that prefix once, then only their own suffixes."""
+        groups = shared_prefix_groups(prompts, self.min_shared_prefix)
+        if all(len(members) == 1 for _, members in groups):
+            return self._prefill_plain(prompts, cache)
+        prefixes = [list(prompts[members[0]][:length]) for length, members in groups]
+        _, prefix_mask_Q_L, prefix_next_Q = self._prefill_plain(prefixes, cache)
+        row_prefix = [q for q, (_, members) in enumerate(groups) for _ in members]
+        index = torch.tensor(row_prefix, dtype=torch.long)
+        cache.batch_select_indices(index)
+        suffixes = [list(prompts[i][length:]) for length, members in groups for i in members]
+        # Suffixes left-padded after their prefix: the padding sits in the middle, masked out.
+        width = max(len(x) for x in suffixes)
+        ids_P_S = torch.full((len(suffixes), width), self.pad_token_id, dtype=torch.long)
+        mask_P_S = torch.zeros((len(suffixes), width), dtype=torch.long)
+        for i, suffix in enumerate(suffixes):
+            ids_P_S[i, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
+            mask_P_S[i, width - len(suffix) :] = 1
+        mask_P_L = torch.cat([prefix_mask_Q_L.index_select(0, index), mask_P_S], dim=1)
+        positions_P_S = prefix_next_Q.index_select(0, index)[:, None] + (
+            mask_P_S.cumsum(dim=1) - 1
+        ).clamp(min=0)
+        with self._autocast():
+            out = self.model(
+                input_ids=ids_P_S,
+                attention_mask=mask_P_L,
+                position_ids=positions_P_S,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return out.logits[:, -1, :], mask_P_L, positions_P_S[:, -1] + 1
+
+    def _prefill_plain(
+        self, prompts: Sequence[Sequence[int]], cache: DynamicCache
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Left padding, so the newest token of every row sits in the last column.
+        max_len = max(len(p) for p in prompts)
+        input_ids_P_L = torch.full((len(prompts), max_len), self.pad_token_id, dtype=torch.long)
+        mask_P_L = torch.zeros((len(prompts), max_len), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            input_ids_P_L[i, max_len - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+            mask_P_L[i, max_len - len(prompt) :] = 1
+        positions_P_L = (mask_P_L.cumsum(dim=1) - 1).clamp(min=0)
+        with self._autocast():
+            out = self.model(
+                input_ids=input_ids_P_L,
+                attention_mask=mask_P_L,
+                position_ids=positions_P_L,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return out.logits[:, -1, :], mask_P_L, positions_P_L[:, -1] + 1
 
     def _hit_stop(self, row_tokens: list[int], stops: tuple[str, ...]) -> bool:
         # Decode the whole row (microseconds at these lengths): a tail of a few tokens can miss a stop

@@ -141,6 +141,15 @@ def dataset_tasks(
 def load_tasks(cfg: TaskConfig) -> TaskSplits:
     if cfg.source == "arithmetic":
         return arithmetic_tasks(cfg.arithmetic, cfg.system_prompt)
+    if cfg.source == "env":
+        from rlvr.envs import get_env_family
+
+        assert cfg.env is not None  # enforced by TaskConfig's validator
+        family = get_env_family(cfg.env.name, cfg.env.options)
+        train, heldout = family.make_splits(
+            cfg.env.num_train, cfg.env.num_heldout, cfg.env.heldout_fraction
+        )
+        return TaskSplits(train=train, heldout=heldout)
     assert cfg.dataset is not None  # enforced by TaskConfig's validator
     return dataset_tasks(cfg.dataset, cfg.system_prompt)
 

@@ -46,7 +46,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     generator_rng: torch.Tensor,
-    sampler_state: dict[str, int],
+    sampler_state: dict[str, Any],
     extra_state: dict[str, Any],
     keep_last: int,
 ) -> Path:

@@ -41,19 +41,23 @@ from rlvr.algorithms import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
     aggregate,
+    group_reward_std,
 )
-from rlvr.build import build_generator, build_optimizer, build_policy, build_rubric, use_bf16
-from rlvr.config import RunConfig, config_to_dict, load_config
+from rlvr.algorithms.credit import token_advantages, turn_advantages
+from rlvr.algorithms.filtering import select_groups
+from rlvr.build import build_generator, build_optimizer, build_policy, use_bf16
+from rlvr.config import RewardSpec, RunConfig, TaskConfig, config_to_dict, load_config
 from rlvr.errors import RewardError
-from rlvr.evaluate import evaluate
+from rlvr.evaluate import evaluate_sources
 from rlvr.models import Policy
-from rlvr.observe.metrics import rollout_metrics, rollout_rows
+from rlvr.observe.inspect import trajectory_rows, write_step_trajectories
+from rlvr.observe.metrics import agent_metrics, rollout_metrics, rollout_rows, source_metrics
 from rlvr.observe.progress import Progress
 from rlvr.observe.tracking import Tracker
-from rlvr.records import Trajectory, flatten
+from rlvr.records import Group, Task, Trajectory, flatten
+from rlvr.rollout.engine import RolloutLimits, rollout_groups
 from rlvr.rollout.generator import SamplingParams
-from rlvr.rollout.single_turn import rollout_groups
-from rlvr.tasks import TaskSampler, TaskSplits, load_tasks
+from rlvr.tasks import TaskSplits
 from rlvr.train.batch import TrainBatch, collate, token_logprobs
 from rlvr.train.checkpoint import (
     latest_checkpoint,
@@ -61,6 +65,7 @@ from rlvr.train.checkpoint import (
     load_weights_into,
     save_checkpoint,
 )
+from rlvr.train.sources import Sources
 
 
 @dataclass
@@ -82,10 +87,13 @@ def policy_update(
     policy: Policy,
     optimizer: torch.optim.Optimizer,
     trajectories: Sequence[Trajectory],
-    advantages_B: torch.Tensor,
+    token_advantages: Sequence[Sequence[float]],
     cfg: RunConfig,
 ) -> dict[str, float]:
     """num_iterations optimizer steps on one batch; returns the update's metrics.
+
+    `token_advantages[i]` has one advantage per completion token of trajectory i (0 where the policy
+    did not sample: observations, glue); see rlvr.algorithms.credit.
 
     Micro-batches accumulate gradients; the aggregation's normalisers are counted over the whole
     batch, so the accumulated gradient equals the full-batch gradient.
@@ -105,7 +113,7 @@ def policy_update(
     # its forward and backward. The normalisers below still count it, so the update is unchanged
     # (tested). Late in a run most groups are all-right or all-wrong, so this saves most of the update.
     skip_zero = cfg.train.skip_zero_advantage_rows and obj.beta == 0 and obj.entropy_coef == 0
-    forwarded = [i for i in usable if not (skip_zero and float(advantages_B[i]) == 0.0)]
+    forwarded = [i for i in usable if not (skip_zero and not any(token_advantages[i]))]
     chunks = [
         forwarded[s : s + cfg.train.micro_batch_size]
         for s in range(0, len(forwarded), cfg.train.micro_batch_size)
@@ -113,12 +121,9 @@ def policy_update(
     pad_id = int(policy.tokenizer.pad_token_id)
     batches: list[TrainBatch] = []
     for chunk in chunks:
-        token_adv = [
-            [float(advantages_B[i])]
-            * (len(trajectories[i].token_ids) - trajectories[i].prompt_length)
-            for i in chunk
-        ]
-        batches.append(collate([trajectories[i] for i in chunk], token_adv, pad_id))
+        batches.append(
+            collate([trajectories[i] for i in chunk], [token_advantages[i] for i in chunk], pad_id)
+        )
     total_tokens = float(sum(trajectories[i].num_policy_tokens for i in usable))
     total_seqs = float(len(usable))
     forwarded_tokens = float(sum(b.mask_B_C.sum() for b in batches))
@@ -259,32 +264,36 @@ def train(
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     seed_everything(cfg.train.seed)
 
-    rubric = build_rubric(cfg.rewards, base_dir=config_dir)
-    metric = cfg.eval.metric or rubric.names[0]
-    splits = tasks if tasks is not None else load_tasks(cfg.task)
-    sampler = TaskSampler(splits.train, seed=cfg.train.seed)
+    sources = Sources(cfg, config_dir, tasks)
     policy = build_policy(cfg)
+    tokenizer = policy.tokenizer
     generator = build_generator(policy, cfg)
     optimizer, scheduler = build_optimizer(policy, cfg)
     spec = ALGORITHMS[cfg.algorithm]
+    group_size = cfg.sampling.group_size
     sampling = SamplingParams(
-        n=cfg.sampling.group_size,
+        n=group_size,
         temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p,
         max_new_tokens=cfg.sampling.max_new_tokens,
         stop=tuple(cfg.sampling.stop),
     )
-    heldout = splits.heldout[: cfg.eval.n]
+    limits = rollout_limits(cfg)
+
+    def rollout(batch_tasks: list[Task]) -> list[Group]:
+        return rollout_groups(
+            batch_tasks, sources.make_env, generator, tokenizer, sampling, sources.scoring, limits
+        )
 
     def run_eval() -> dict[str, float]:
-        return evaluate(
-            heldout,
+        return evaluate_sources(
+            sources,
             generator,
-            policy.tokenizer,
-            rubric,
-            metric=metric,
+            tokenizer,
+            n=cfg.eval.n,
             max_new_tokens=cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
-            stop=sampling.stop,
+            stop=tuple(cfg.sampling.stop),
+            limits=limits,
         )
 
     start_step = 0
@@ -293,7 +302,7 @@ def train(
         load_weights_into(policy.model, checkpoint, policy.lora)
         state, generator_rng = load_training_state(checkpoint, optimizer, scheduler)
         generator.set_state(generator_rng)
-        sampler.load_state_dict(state["sampler"])
+        sources.load_state_dict(state["sampler"])
         start_step = int(state["step"])
 
     tracker = Tracker(
@@ -312,11 +321,11 @@ def train(
             run_dir,
             step,
             model=policy.model,
-            tokenizer=policy.tokenizer,
+            tokenizer=tokenizer,
             optimizer=optimizer,
             scheduler=scheduler,
             generator_rng=generator.get_state(),
-            sampler_state=sampler.state_dict(),
+            sampler_state=sources.state_dict(),
             extra_state={"algorithm": cfg.algorithm},
             keep_last=cfg.checkpoint.keep_last,
         )
@@ -331,30 +340,34 @@ def train(
 
         for step in range(start_step + 1, cfg.train.steps + 1):
             t0 = time.time()
-            # 1. tasks -> rollouts, scored by the rubric
-            batch_tasks = sampler.next_batch(cfg.sampling.prompts_per_step)
-            groups = rollout_groups(batch_tasks, generator, policy.tokenizer, sampling, rubric)
-            trajectories = flatten(groups)
-            t_rollout = time.time() - t0
-            # 2. group-relative advantages over the rollouts that scored
-            rewards_B = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-            valid_B = torch.tensor([t.usable for t in trajectories])
-            advantages_B = ADVANTAGE_ESTIMATORS[spec.advantage](
-                rewards_B,
-                valid_B,
-                cfg.sampling.group_size,
-                scale_rewards=cfg.objective.scale_rewards,
+            # 1. tasks -> rollouts (multi-turn when the env asks), scored; the filter keeps the
+            #    groups worth learning from (StarPO-S / DAPO dynamic sampling)
+            sampled, kept, filter_metrics = collect_groups(
+                cfg, lambda: rollout(sources.next_batch(cfg.sampling.prompts_per_step))
             )
+            trajectories = flatten(kept)
+            t_rollout = time.time() - t0
+            # 2. group-relative advantages over the rollouts that scored, then per-token credit
+            token_adv = assign_credit(trajectories, cfg, spec.advantage)
             # 3. the policy update
-            update = policy_update(policy, optimizer, trajectories, advantages_B, cfg)
-            metrics = {**rollout_metrics(groups, rubric.names, cfg.sampling.group_size), **update}
+            update = policy_update(policy, optimizer, trajectories, token_adv, cfg)
+            metrics = {
+                **rollout_metrics(sampled, sources.reward_names, group_size),
+                **agent_metrics(flatten(sampled)),
+                **filter_metrics,
+                **update,
+            }
+            if sources.is_mixture:
+                metrics.update(
+                    source_metrics(flatten(sampled), {s.name: s.metric for s in sources})
+                )
             metrics["learning_rate"] = scheduler.get_last_lr()[0]
             with warnings.catch_warnings():
                 # The schedule follows steps even when an update was skipped (no optimizer.step()).
                 warnings.simplefilter("ignore", UserWarning)
                 scheduler.step()
             elapsed = time.time() - t0
-            n_tokens = sum(len(t.token_ids) - t.prompt_length for t in trajectories)
+            n_tokens = sum(len(t.token_ids) - t.prompt_length for t in flatten(sampled))
             metrics.update(
                 {
                     "step_time": elapsed,
@@ -370,10 +383,14 @@ def train(
                 summary.eval_history.append((step, ev))
                 metrics.update(ev)
             tracker.log(metrics, step=step)
-            tracker.log_rollouts(rollout_rows(groups), step=step)
+            tracker.log_rollouts(rollout_rows(sampled), step=step)
+            if cfg.tracking.trajectories_every and step % cfg.tracking.trajectories_every == 0:
+                write_step_trajectories(
+                    run_dir, step, trajectory_rows(trajectories, token_adv, tokenizer)
+                )
             summary.steps_done = step
             progress.update(step, metrics)
-            _check_reward_errors(trajectories, step, cfg.train.max_reward_error_fraction)
+            _check_reward_errors(flatten(sampled), step, cfg.train.max_reward_error_fraction)
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                 save(step)
             if on_step_end is not None:
@@ -392,28 +409,134 @@ def train(
     return summary
 
 
+def rollout_limits(cfg: RunConfig) -> RolloutLimits:
+    r = cfg.rollout
+    return RolloutLimits(
+        max_turns=r.max_turns,
+        # Never below one full turn: a single-turn run keeps sampling.max_new_tokens as its limit.
+        max_total_tokens=max(r.max_total_tokens, cfg.sampling.max_new_tokens),
+        max_observation_tokens=r.max_observation_tokens,
+        observation_truncation=r.observation_truncation,
+        tool_timeout_s=r.tool_timeout_s,
+        max_tool_calls_per_turn=r.max_tool_calls_per_turn,
+    )
+
+
+def collect_groups(
+    cfg: RunConfig, sample_round: Callable[[], list[Group]]
+) -> tuple[list[Group], list[Group], dict[str, float]]:
+    """Sample rounds of groups and keep those the filter selects; returns (sampled, kept, metrics).
+
+    Without dynamic sampling one round is drawn and filtered. With it (DAPO), rounds continue until
+    prompts_per_step groups were kept or max_sampling_rounds is reached; at most prompts_per_step
+    groups are kept. Metrics describe every sampled group, so the filter cannot hide a collapse.
+    """
+    f, group_size = cfg.filter, cfg.sampling.group_size
+    sampled: list[Group] = []
+    kept: list[Group] = []
+    rounds = 0
+    while True:
+        rounds += 1
+        groups = sample_round()
+        sampled.extend(groups)
+        trajs = flatten(groups)
+        std_P = group_reward_std(
+            torch.tensor([t.reward for t in trajs]),
+            torch.tensor([t.usable for t in trajs]),
+            group_size,
+        ).tolist()
+        keep = select_groups(std_P, f.group_filter, f.top_p, f.top_k_fraction, f.drop_zero_std)
+        kept.extend(groups[i] for i in keep)
+        if not f.dynamic_sampling or len(kept) >= cfg.sampling.prompts_per_step:
+            break
+        if rounds >= f.max_sampling_rounds:
+            break
+    if f.dynamic_sampling:
+        kept = kept[: cfg.sampling.prompts_per_step]
+    all_trajs = flatten(sampled)
+    std_all = group_reward_std(
+        torch.tensor([t.reward for t in all_trajs]),
+        torch.tensor([t.usable for t in all_trajs]),
+        group_size,
+    )
+    metrics = {
+        "rollout/in_group_std": float(std_all.mean()),
+        "rollout/filter_kept_ratio": len(kept) / len(sampled),
+        "rollout/sampling_rounds": float(rounds),
+    }
+    return sampled, kept, metrics
+
+
+def assign_credit(
+    trajectories: Sequence[Trajectory], cfg: RunConfig, estimator: str
+) -> list[list[float]]:
+    """Per-token advantages for each trajectory (completion tokens), as `objective.credit` says."""
+    if not trajectories:
+        return []
+    obj, group_size = cfg.objective, cfg.sampling.group_size
+    rewards_B = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    valid_B = torch.tensor([t.usable for t in trajectories])
+    advantages_B = ADVANTAGE_ESTIMATORS[estimator](
+        rewards_B, valid_B, group_size, scale_rewards=obj.scale_rewards
+    ).tolist()
+    if obj.credit == "trajectory":
+        return [
+            token_advantages(t, a, None) for t, a in zip(trajectories, advantages_B, strict=True)
+        ]
+    per_turn = turn_advantages(
+        [list(t.turn_rewards) for t in trajectories],
+        valid_B.tolist(),
+        group_size,
+        gamma=obj.gamma,
+        scale=obj.scale_rewards,
+    )
+    outcome = advantages_B if obj.credit == "bi-level" else [0.0] * len(trajectories)
+    return [
+        token_advantages(t, a, turns, obj.turn_weight if obj.credit == "bi-level" else 1.0)
+        for t, a, turns in zip(trajectories, outcome, per_turn, strict=True)
+    ]
+
+
 def absolutize_reward_files(cfg: RunConfig, config_dir: Path | None) -> RunConfig:
     """Resolve relative paths in the config against the config's folder and make them absolute:
-    'file.py:function' rewards and dataset files. The run's saved config then works from anywhere."""
+    'file.py:function' rewards, 'file.py:Family' envs and dataset files, in the main task and in
+    every mixture component. The run's saved config then works from anywhere."""
     base = config_dir or Path.cwd()
-    dataset = cfg.task.dataset
-    if dataset is not None:
-        updates = {}
-        for key in ("path", "heldout_path"):
-            value = getattr(dataset, key)
-            if value and not Path(value).is_absolute() and (base / value).exists():
-                updates[key] = str((base / value).resolve())
-        if updates:
-            task = cfg.task.model_copy(update={"dataset": dataset.model_copy(update=updates)})
-            cfg = cfg.model_copy(update={"task": task})
-    rewards = []
-    for spec in cfg.rewards:
-        file_part, sep, attr = spec.fn.rpartition(":")
+
+    def fix_spec(spec: str) -> str:
+        file_part, sep, attr = spec.rpartition(":")
         if sep and file_part.endswith(".py") and not Path(file_part).is_absolute():
-            resolved = (base / file_part).resolve()
-            spec = spec.model_copy(update={"fn": f"{resolved}:{attr}"})
-        rewards.append(spec)
-    return cfg.model_copy(update={"rewards": rewards})
+            return f"{(base / file_part).resolve()}:{attr}"
+        return spec
+
+    def fix_task(task: TaskConfig) -> TaskConfig:
+        if task.dataset is not None:
+            updates = {}
+            for key in ("path", "heldout_path"):
+                value = getattr(task.dataset, key)
+                if value and not Path(value).is_absolute() and (base / value).exists():
+                    updates[key] = str((base / value).resolve())
+            if updates:
+                task = task.model_copy(update={"dataset": task.dataset.model_copy(update=updates)})
+        if task.env is not None and fix_spec(task.env.name) != task.env.name:
+            env = task.env.model_copy(update={"name": fix_spec(task.env.name)})
+            task = task.model_copy(update={"env": env})
+        return task
+
+    def fix_rewards(rewards: list[RewardSpec]) -> list[RewardSpec]:
+        return [r.model_copy(update={"fn": fix_spec(r.fn)}) for r in rewards]
+
+    mixture = [
+        c.model_copy(update={"task": fix_task(c.task), "rewards": fix_rewards(c.rewards)})
+        for c in cfg.mixture
+    ]
+    return cfg.model_copy(
+        update={
+            "task": fix_task(cfg.task),
+            "rewards": fix_rewards(cfg.rewards),
+            "mixture": mixture,
+        }
+    )
 
 
 def _check_reward_errors(trajectories: Sequence[Trajectory], step: int, limit: float) -> None:

@@ -1,0 +1,163 @@
+"""Two-armed bandit: pick the slot-machine arm that pays more on average, in a single turn.
+
+After the bi-arm bandit of RAGEN (Wang et al., 2025, "RAGEN: Understanding Self-Evolution in LLM
+Agents via Multi-Turn Reinforcement Learning"), which names the arms with words such as "phoenix" and
+"dragon" to test whether a policy reasons from the payouts or from the names. Here both payout
+tables are stated in the prompt: a low-risk arm pays a few coins with a high probability, a
+high-risk arm pays many coins with a low probability, and their expected values differ by at least
+`min_gap` (relative). Which arm is better is drawn per instance (or fixed by `better`), as are the
+names, which name is the risky arm and the order the arms are listed in.
+
+Rules: answer one arm name inside <answer></answer> (case-insensitive). Reward parts: `success` 1.0
+iff the chosen arm has the higher expected value; `payout` (weight 0, logged) the chosen arm's
+expected value divided by the better arm's, in [0, 1]; `invalid_action` 1.0 (weight -0.1) when the
+answer is missing or names no arm. The episode always ends after the one turn; no payout is sampled,
+so the reward is deterministic.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from rlvr.envs.base import Env, EnvFamily, EnvOptions, EnvReset, EnvStep, register_env
+from rlvr.errors import ConfigError
+from rlvr.records import Task
+from rlvr.verifiers.builtin import extract_tagged
+
+NAME_PAIRS: tuple[tuple[str, str], ...] = (
+    ("phoenix", "dragon"),
+    ("gold", "silver"),
+    ("red", "blue"),
+    ("sun", "moon"),
+    ("lion", "tiger"),
+    ("oak", "pine"),
+    ("river", "mountain"),
+    ("ruby", "jade"),
+    ("falcon", "owl"),
+    ("apple", "cherry"),
+    ("north", "south"),
+    ("alpha", "beta"),
+)
+
+
+class BanditOptions(EnvOptions):
+    min_gap: float = Field(
+        0.2,
+        ge=0.0,
+        le=0.9,
+        description="Least relative gap between the arms' expected values, |a - b| / max(a, b).",
+    )
+    better: Literal["random", "low_risk", "high_risk"] = Field(
+        "random", description="Which arm has the higher expected value (RAGEN: high_risk)."
+    )
+
+
+def expected_value(arm: Mapping[str, Any]) -> float:
+    """Coins times the probability of paying them, for an arm {"name", "coins", "percent"}."""
+    return float(arm["coins"]) * float(arm["percent"]) / 100.0
+
+
+def make_task(arms: list[dict[str, Any]]) -> Task:
+    """The task for two arms given in display order; its id lists both payout tables."""
+    system = (
+        "You are playing a slot machine with two arms. Each pull of an arm pays the stated coins "
+        "with the stated chance, else nothing. Choose the arm that pays more coins on average."
+    )
+    table = "\n".join(
+        f"Arm {a['name']}: {a['coins']} coin{'s' if a['coins'] != 1 else ''} with probability {a['percent']}%, else 0."
+        for a in arms
+    )
+    user = (
+        f"{table}\nAnswer with one arm name inside <answer></answer>, "
+        f"e.g. <answer>{arms[0]['name']}</answer>."
+    )
+    key = "bandit:" + ",".join(f"{a['name']}={a['coins']}@{a['percent']}" for a in arms)
+    messages = ({"role": "system", "content": system}, {"role": "user", "content": user})
+    return Task(id=key, messages=messages, fields={"arms": arms})
+
+
+class BanditEnv(Env):
+    """One single-turn bandit episode."""
+
+    max_turns: ClassVar[int] = 1
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+        self.arms = [dict(a) for a in task.fields["arms"]]
+        self.done = False
+
+    def reset(self) -> EnvReset:
+        return EnvReset(messages=[dict(m) for m in self.task.messages])
+
+    def step(self, assistant_text: str) -> EnvStep:
+        if self.done:
+            raise RuntimeError("step() called after the episode ended")
+        self.done = True
+        answer = extract_tagged(assistant_text, "answer")
+        key = (answer or "").strip().strip(".!'\"`").lower().removeprefix("arm ").strip()
+        chosen = next((a for a in self.arms if str(a["name"]).lower() == key), None)
+        if chosen is None:
+            rewards = {"success": 0.0, "payout": 0.0, "invalid_action": 1.0}
+            return EnvStep(rewards=rewards, done=True, info={"invalid_action": 1})
+        best = max(expected_value(a) for a in self.arms)
+        value = expected_value(chosen)
+        rewards = {
+            "success": float(value == best),
+            "payout": value / best if best > 0 else 0.0,
+            "invalid_action": 0.0,
+        }
+        info = {"high_risk": int(chosen["risk"] == "high")}
+        return EnvStep(rewards=rewards, done=True, info=info)
+
+
+@register_env
+class BanditFamily(EnvFamily):
+    name: ClassVar[str] = "bandit"
+    description: ClassVar[str] = (
+        "Pick the two-armed bandit arm with the higher expected payout (RAGEN)."
+    )
+    Options: ClassVar[type[EnvOptions]] = BanditOptions
+    success_metric: ClassVar[str] = "success"
+    reward_weights: ClassVar[Mapping[str, float]] = {
+        "success": 1.0,
+        "payout": 0.0,
+        "invalid_action": -0.1,
+    }
+    example_config: ClassVar[str] = "examples/env_bandit.yaml"
+
+    def generate(self, seed: int) -> Task:
+        opts = self.options
+        assert isinstance(opts, BanditOptions)
+        rng = random.Random(seed)
+        better = opts.better if opts.better != "random" else rng.choice(["low_risk", "high_risk"])
+        for _ in range(10_000):
+            names = list(rng.choice(NAME_PAIRS))
+            rng.shuffle(names)  # names[0] is the low-risk arm
+            low = {
+                "name": names[0],
+                "coins": rng.randint(1, 9),
+                "percent": rng.randrange(50, 101, 5),
+            }
+            high = {
+                "name": names[1],
+                "coins": rng.randrange(10, 41, 5),
+                "percent": rng.randrange(5, 45, 5),
+            }
+            low_ev, high_ev = expected_value(low), expected_value(high)
+            gap = abs(low_ev - high_ev)
+            if gap == 0 or gap < opts.min_gap * max(low_ev, high_ev):
+                continue
+            if (high_ev > low_ev) != (better == "high_risk"):
+                continue
+            low["risk"], high["risk"] = "low", "high"
+            arms = [low, high]
+            rng.shuffle(arms)
+            return make_task(arms)
+        raise ConfigError(f"bandit: no arms found for seed {seed}; lower task.env.options.min_gap")
+
+    def make(self, task: Task) -> Env:
+        return BanditEnv(task)

@@ -1,0 +1,200 @@
+"""The environment protocol every rollout goes through, single-turn tasks included.
+
+An `Env` is single-use: one instance plays one trajectory.
+
+    reset()            -> EnvReset(messages, tools)          the opening conversation (and tool schemas)
+    step(assistant)    -> EnvStep(messages, rewards, done)   what the world answers to one assistant turn
+
+`step` receives the assistant's text exactly as decoded from the sampled tokens. Its `messages` (role
+"user" or "tool") are appended to the conversation and tokenized as observations: they are context for
+the next turn and never receive gradient. `rewards` are named reward parts earned by this turn; a
+trajectory's component is the sum over its turns, and turn-level credit uses them per turn.
+
+An `EnvFamily` is what a config names (`task.env.name`): it generates seeded task instances with a
+held-out split (`make_splits`) and builds the env that plays one (`make`). Instances are keyed by their
+content, and a fixed hash of the key decides held-out membership, so no seed can leak a held-out
+instance into training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rlvr.errors import ConfigError
+from rlvr.records import Task
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EnvReset:
+    """The opening conversation: chat messages and (for tool use) JSON tool schemas."""
+
+    messages: list[Message]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EnvStep:
+    """The answer to one assistant turn.
+
+    `messages`: observation messages to append (empty when done). `rewards`: reward parts earned by
+    this turn, by name. `done`: the episode is over. `info`: counters for metrics (e.g. tool calls).
+    """
+
+    messages: list[Message] = field(default_factory=list)
+    rewards: dict[str, float] = field(default_factory=dict)
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Env(ABC):
+    """One episode. Subclasses implement `reset` and `step`; `max_turns` is the family's default cap."""
+
+    max_turns: ClassVar[int] = 1
+
+    @abstractmethod
+    def reset(self) -> EnvReset: ...
+
+    @abstractmethod
+    def step(self, assistant_text: str) -> EnvStep: ...
+
+
+class EnvOptions(BaseModel):
+    """Base for an env family's options (`task.env.options`): unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EnvFamily(ABC):
+    """A registered environment: generates instances and builds the env that plays one.
+
+    Subclasses set `name`, `description` (one line, shown by `rlvr envs`), `Options` (a pydantic
+    model), `success_metric` (the reward part read as held-out accuracy), optionally `reward_weights`
+    (parts not listed weigh 1.0), and implement `generate` and `make`.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    Options: ClassVar[type[EnvOptions]] = EnvOptions
+    success_metric: ClassVar[str] = "success"
+    reward_weights: ClassVar[Mapping[str, float]] = {}
+    example_config: ClassVar[str] = ""  # path under examples/, for `rlvr envs`
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        try:
+            self.options = self.Options.model_validate(dict(options or {}))
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ConfigError(
+                f"task.env.options.{where}: {first['msg']} (env '{self.name}')"
+            ) from None
+
+    @abstractmethod
+    def generate(self, seed: int) -> Task:
+        """One instance from an integer seed; `Task.id` must be a canonical key of its content
+        (two seeds that give the same puzzle give the same id). Everything `make` needs goes into
+        `Task.fields`, so a task alone rebuilds its env."""
+
+    @abstractmethod
+    def make(self, task: Task) -> Env:
+        """A fresh env playing `task`."""
+
+    def make_splits(
+        self, num_train: int, num_heldout: int, heldout_fraction: float = 0.1
+    ) -> tuple[list[Task], list[Task]]:
+        return split_instances(self.generate, num_train, num_heldout, heldout_fraction)
+
+
+def stable_fraction(key: str) -> float:
+    """A number in [0, 1) fixed by `key` alone (not Python's salted hash)."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+
+
+def split_instances(
+    generate: Callable[[int], Task],
+    num_train: int,
+    num_heldout: int,
+    heldout_fraction: float = 0.1,
+    max_tries_factor: int = 50,
+) -> tuple[list[Task], list[Task]]:
+    """Generate distinct instances from seeds 0, 1, 2, ... and split them by a hash of their id.
+
+    An instance is held out iff stable_fraction(id) < heldout_fraction, whatever seed produced it, so
+    the two lists never share an instance. Stops when both lists are full; raises a ConfigError if the
+    family cannot produce that many distinct instances (e.g. a tiny option space).
+    """
+    train: list[Task] = []
+    heldout: list[Task] = []
+    seen: set[str] = set()
+    budget = max_tries_factor * (num_train + num_heldout) + 1000
+    seed = 0
+    while len(train) < num_train or len(heldout) < num_heldout:
+        if seed >= budget:
+            raise ConfigError(
+                f"only {len(train)} train / {len(heldout)} held-out distinct instances after "
+                f"{seed} seeds; ask for fewer (task.env.num_train / num_heldout) or widen the options"
+            )
+        task = generate(seed)
+        seed += 1
+        if task.id in seen:
+            continue
+        seen.add(task.id)
+        if stable_fraction(task.id) < heldout_fraction:
+            if len(heldout) < num_heldout:
+                heldout.append(task)
+        elif len(train) < num_train:
+            train.append(task)
+    return train, heldout
+
+
+ENV_FAMILIES: dict[str, type[EnvFamily]] = {}
+
+
+def register_env(cls: type[EnvFamily]) -> type[EnvFamily]:
+    """Class decorator: make the family available as `task.env.name: <cls.name>`."""
+    if cls.name in ENV_FAMILIES:
+        raise ValueError(f"env '{cls.name}' is registered twice")
+    ENV_FAMILIES[cls.name] = cls
+    return cls
+
+
+def get_env_family(name: str, options: Mapping[str, Any] | None = None) -> EnvFamily:
+    """A built-in family by name, or your own: 'file.py:MyFamily' / 'package.module:MyFamily'."""
+    import rlvr.envs.catalog  # noqa: F401  (registers the built-ins)
+
+    if ":" in name:
+        from rlvr.verifiers.rubric import resolve_reward_fn  # the same file/module loader
+
+        target: Any = resolve_reward_fn(name)
+        if not (isinstance(target, type) and issubclass(target, EnvFamily)):
+            raise ConfigError(f"task.env.name '{name}' is not an EnvFamily subclass")
+        return target(options)
+    if name not in ENV_FAMILIES:
+        raise ConfigError(
+            f"task.env.name '{name}' is not a known env (one of: {', '.join(sorted(ENV_FAMILIES))}; "
+            "or 'file.py:YourFamily')"
+        )
+    return ENV_FAMILIES[name](options)
+
+
+class SingleTurnEnv(Env):
+    """A plain task as a one-step env: the task's messages, one answer, done. The rubric scores it."""
+
+    max_turns = 1
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    def reset(self) -> EnvReset:
+        return EnvReset([dict(m) for m in self.task.messages], [dict(t) for t in self.task.tools])
+
+    def step(self, assistant_text: str) -> EnvStep:
+        return EnvStep(done=True)

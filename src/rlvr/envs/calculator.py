@@ -1,0 +1,218 @@
+"""Calculator tool use: word problems that need several exact operations, and a calculator tool.
+
+Each problem chains `num_operations` steps over operands too large for mental arithmetic at this
+model scale (e.g. 47 * 83 - 259), so the reliable way to the answer is to call the tool, read the
+result, and call it again or answer. The policy learns when and how to call the tool; the tool's
+output reaches it as an observation and never receives gradient.
+
+Turn protocol (ToolEnv): a turn with a `<tool_call>` runs the calculator and returns its result; a
+turn without one is the final answer, checked against the exact value (`<answer>N</answer>`, else the
+last number in the turn). Reward parts: `success` (1.0 for the exact answer), `format` (1.0 when the
+final answer is in an answer tag; weight 0.1), `used_tool` (1.0 when at least one call returned a
+result; weight 0: logged, not optimised, so the policy is paid for answers, not for calling).
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+from collections.abc import Callable
+from fractions import Fraction
+from typing import ClassVar
+
+from pydantic import Field
+
+from rlvr.envs.base import EnvFamily, EnvOptions, EnvReset, EnvStep, register_env
+from rlvr.envs.tools import Tool, ToolEnv
+from rlvr.records import Task
+from rlvr.verifiers.builtin import extract_last_number, extract_tagged
+
+_MAX_EXPRESSION_CHARS = 200
+_MAX_MAGNITUDE = 10**12
+
+
+def evaluate_arithmetic(expression: str) -> Fraction:
+    """The exact value of + - * / ( ) over numbers, by walking the syntax tree: never eval().
+
+    Raises ValueError with a short reason for anything else (names, calls, powers, huge values).
+    """
+    if len(expression) > _MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression longer than {_MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.replace("×", "*").replace("÷", "/"), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"cannot parse {expression!r}") from None
+
+    def walk(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return Fraction(str(node.value))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            value = walk(node.operand)
+            return -value if isinstance(node.op, ast.USub) else value
+        if isinstance(node, ast.BinOp):
+            left, right = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.Add):
+                result = left + right
+            elif isinstance(node.op, ast.Sub):
+                result = left - right
+            elif isinstance(node.op, ast.Mult):
+                result = left * right
+            elif isinstance(node.op, ast.Div):
+                if right == 0:
+                    raise ValueError("division by zero")
+                result = left / right
+            else:
+                raise ValueError(f"operator {type(node.op).__name__} is not supported")
+            if abs(result) > _MAX_MAGNITUDE:
+                raise ValueError("value too large")
+            return result
+        raise ValueError(f"only numbers and + - * / ( ) are allowed, not {type(node).__name__}")
+
+    return walk(tree.body)
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression exactly.
+
+    Args:
+        expression: Numbers with + - * / and parentheses, e.g. "(12 + 7) * 3".
+    """
+    value = evaluate_arithmetic(expression)
+    return str(value.numerator) if value.denominator == 1 else f"{float(value):.6g}"
+
+
+CALCULATOR = Tool.from_function(calculator)
+
+SYSTEM_PROMPT = (
+    "Solve the problem exactly. Do every computation with the calculator tool, one call per turn. "
+    "When you know the result, reply with <answer>NUMBER</answer>."
+)
+
+# A worked exchange placed before the question (option `demonstration`): a 135M model follows a
+# shown conversation far more readily than a described format.
+DEMONSTRATION = (
+    {"role": "user", "content": "A box has 12 rows of 14 eggs. How many eggs?"},
+    {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 14"}}'
+        "\n</tool_call>",
+    },
+    {"role": "tool", "content": "168"},
+    {"role": "assistant", "content": "<answer>168</answer>"},
+)
+
+# (template, answer(a, b, c)); a, b two-digit, c three-digit. Each needs len(ops) exact operations.
+_Problem = tuple[str, Callable[[int, int, int], int]]
+_PROBLEMS: dict[int, list[_Problem]] = {
+    1: [
+        ("A crate holds {a} bottles. How many bottles are in {b} crates?", lambda a, b, c: a * b),
+        ("A farm had {c} sheep and bought {a} more. How many sheep now?", lambda a, b, c: c + a),
+        ("A library has {c} books and lends out {b}. How many are left?", lambda a, b, c: c - b),
+    ],
+    2: [
+        (
+            "A shop has {a} boxes of {b} pens and sells {c} pens. How many pens are left?",
+            lambda a, b, c: a * b - c,
+        ),
+        (
+            "A school orders {a} packs of {b} pencils and already has {c}. How many pencils in all?",
+            lambda a, b, c: a * b + c,
+        ),
+        (
+            "A train carries {c} people; at the stop {a} get off and {b} get on. How many now?",
+            lambda a, b, c: c - a + b,
+        ),
+    ],
+    3: [
+        (
+            "A bakery makes {a} trays of {b} rolls, sells {c}, then bakes {a} more rolls. "
+            "How many rolls does it have?",
+            lambda a, b, c: a * b - c + a,
+        ),
+        (
+            "A hall has {a} rows of {b} seats; {c} are taken and {b} are broken. How many are free?",
+            lambda a, b, c: a * b - c - b,
+        ),
+    ],
+}
+
+
+class CalculatorOptions(EnvOptions):
+    num_operations: int = Field(
+        2, ge=1, le=3, description="Exact operations each problem needs (1-3)."
+    )
+    max_operand: int = Field(
+        99, ge=12, le=999, description="Largest multiplicand (two-digit by default)."
+    )
+    demonstration: bool = Field(
+        True, description="Open with one worked tool-call exchange before the question."
+    )
+
+
+class CalculatorEnv(ToolEnv):
+    max_turns = 4
+
+    def __init__(self, task: Task) -> None:
+        super().__init__([CALCULATOR])
+        self.task = task
+        self.answer = int(task.fields["answer"])
+        self.calls_ok = 0
+
+    def reset(self) -> EnvReset:
+        return EnvReset([dict(m) for m in self.task.messages], self.tool_schemas)
+
+    def step(self, assistant_text: str) -> EnvStep:
+        result = super().step(assistant_text)
+        failures = int(result.info.get("tool_failures", 0))
+        self.calls_ok += int(result.info.get("tool_calls", 0)) - failures
+        return result
+
+    def finish(self, assistant_text: str) -> EnvStep:
+        tagged = extract_tagged(assistant_text, "answer")
+        candidate = extract_last_number(tagged if tagged is not None else assistant_text)
+        try:
+            correct = candidate is not None and Fraction(candidate) == self.answer
+        except (ValueError, ZeroDivisionError):
+            correct = False
+        rewards = {
+            "success": float(correct),
+            "format": float(tagged is not None),
+            "used_tool": float(self.calls_ok > 0),
+        }
+        return EnvStep(rewards=rewards, done=True)
+
+
+@register_env
+class CalculatorFamily(EnvFamily):
+    name = "calculator"
+    description = "Word problems needing several exact operations, solved with a calculator tool."
+    Options = CalculatorOptions
+    success_metric = "success"
+    reward_weights: ClassVar[dict[str, float]] = {"format": 0.1, "used_tool": 0.0}
+    example_config = "examples/env_calculator.yaml"
+
+    def generate(self, seed: int) -> Task:
+        options = self.options
+        assert isinstance(options, CalculatorOptions)
+        rng = random.Random(seed)
+        template, solve = rng.choice(_PROBLEMS[options.num_operations])
+        answer = 0
+        while answer <= 0:  # word problems about counts: keep the answer positive
+            a = rng.randint(12, options.max_operand)
+            b = rng.randint(12, options.max_operand)
+            c = rng.randint(100, 999)
+            answer = solve(a, b, c)
+        question = template.format(a=a, b=b, c=c)
+        shown = DEMONSTRATION if options.demonstration else ()
+        return Task(
+            id=f"calculator:{question}",
+            messages=(
+                {"role": "system", "content": SYSTEM_PROMPT},
+                *shown,
+                {"role": "user", "content": question},
+            ),
+            fields={"answer": answer},
+        )
+
+    def make(self, task: Task) -> CalculatorEnv:
+        return CalculatorEnv(task)

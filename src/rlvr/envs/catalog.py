@@ -1,0 +1,3 @@
+"""Importing this module registers every built-in env family (`rlvr envs` lists them)."""
+
+from rlvr.envs import bandit, calculator, countdown, frozenlake, sokoban, sudoku  # noqa: F401

@@ -1,0 +1,251 @@
+"""Sokoban: push every box onto a target in a small walled room, one move a turn.
+
+The puzzle used for multi-turn agent RL in RAGEN (Wang et al., 2025, "RAGEN: Understanding
+Self-Evolution in LLM Agents via Multi-Turn Reinforcement Learning"), with RAGEN's legend: # wall,
+_ floor, O target, X box, √ box on a target, P player, S player on a target. Rules: each turn the
+model answers one move, Up, Down, Left or Right, inside <answer></answer> (case-insensitive). The
+player walks onto free floor; walking into a box pushes it one cell if the cell behind it is floor or
+an empty target. Boxes cannot be pulled, two boxes cannot be pushed at once and walls block, so such
+a move leaves the room unchanged (valid, without effect). All boxes on targets wins (`success` 1.0,
+episode over). An answer that is missing or not one of the four moves changes nothing and earns
+`invalid_action` 1.0 (weight -0.1). `boxes_on_target` (weight 0, logged) is the change this turn in
+the fraction of boxes on targets, so its sum over an episode is the net progress.
+
+Instances are solvable by construction ("reverse play", as in the generator RAGEN borrows from
+gym-sokoban): random inner walls (keeping the floor connected), boxes placed on targets, then random
+reverse moves in which the player walks and sometimes pulls a box. Levels that start solved are
+rejected, and a BFS solver over (player, boxes) states with a node cap checks that a solution of at
+most max_turns // 2 moves exists, so the turn cap leaves room for mistakes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Mapping, Sequence, Set
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from rlvr.envs.base import Env, EnvFamily, EnvOptions, EnvReset, EnvStep, Message, register_env
+from rlvr.envs.frozenlake import ANSWER_FORMAT, MOVES, Cell, parse_move
+from rlvr.errors import ConfigError
+from rlvr.records import Task
+
+State = tuple[Cell, frozenset[Cell]]  # (player, boxes)
+
+
+def draw(
+    shape: Cell, walls: Set[Cell], targets: Set[Cell], boxes: Set[Cell], player: Cell
+) -> list[str]:
+    """Legend rows of a room."""
+
+    def char(p: Cell) -> str:
+        if p in walls:
+            return "#"
+        if p == player:
+            return "S" if p in targets else "P"
+        if p in boxes:
+            return "√" if p in targets else "X"
+        return "O" if p in targets else "_"
+
+    return ["".join(char((r, c)) for c in range(shape[1])) for r in range(shape[0])]
+
+
+class Room:
+    """Walls and targets (fixed) plus the player and boxes (moving), parsed from legend rows."""
+
+    def __init__(self, rows: Sequence[str]) -> None:
+        self.shape = (len(rows), max(len(r) for r in rows))
+        cells = {(r, c): ch for r, row in enumerate(rows) for c, ch in enumerate(row)}
+        self.walls = frozenset(p for p, ch in cells.items() if ch == "#")
+        self.targets = frozenset(p for p, ch in cells.items() if ch in "OS√")
+        self.boxes = frozenset(p for p, ch in cells.items() if ch in "X√")
+        self.player = next(p for p, ch in cells.items() if ch in "PS")
+
+    def rows(self) -> list[str]:
+        return draw(self.shape, self.walls, self.targets, self.boxes, self.player)
+
+    def solved(self) -> bool:
+        return self.boxes <= self.targets
+
+
+def push(walls: frozenset[Cell], player: Cell, boxes: frozenset[Cell], move: str) -> State | None:
+    """(player, boxes) after a move, or None when a wall, or a box that cannot move, blocks it."""
+    dr, dc = MOVES[move]
+    nxt = (player[0] + dr, player[1] + dc)
+    if nxt in walls:
+        return None
+    if nxt in boxes:
+        beyond = (nxt[0] + dr, nxt[1] + dc)
+        if beyond in walls or beyond in boxes:
+            return None
+        return nxt, (boxes - {nxt}) | {beyond}
+    return nxt, boxes
+
+
+def solve_sokoban(rows: Sequence[str], max_nodes: int = 200_000) -> list[str] | None:
+    """A shortest list of moves that puts every box on a target; None if none was found within
+    `max_nodes` visited states (BFS over (player, boxes))."""
+    room = Room(rows)
+    start = (room.player, room.boxes)
+    came: dict[State, tuple[State, str] | None] = {start: None}
+    queue = deque([start])
+    while queue and len(came) <= max_nodes:
+        state = queue.popleft()
+        if state[1] <= room.targets:
+            path: list[str] = []
+            while (prev := came[state]) is not None:
+                state, move = prev
+                path.append(move)
+            return path[::-1]
+        for move in MOVES:
+            nxt = push(room.walls, *state, move)
+            if nxt is not None and nxt not in came:
+                came[nxt] = (state, move)
+                queue.append(nxt)
+    return None
+
+
+def _connected(floor: set[Cell]) -> bool:
+    start = next(iter(floor))
+    seen, queue = {start}, deque([start])
+    while queue:
+        r, c = queue.popleft()
+        for dr, dc in MOVES.values():
+            if (nxt := (r + dr, c + dc)) in floor and nxt not in seen:
+                seen.add(nxt)
+                queue.append(nxt)
+    return len(seen) == len(floor)
+
+
+def reverse_play(rng: random.Random, size: int, num_boxes: int) -> list[str]:
+    """A random room whose boxes started on targets and were pulled back by random reverse moves."""
+    floor = {(r, c) for r in range(1, size - 1) for c in range(1, size - 1)}
+    for cell in rng.sample(sorted(floor), rng.randint(0, len(floor) // 6)):
+        if _connected(floor - {cell}):
+            floor.discard(cell)
+    walls = {(r, c) for r in range(size) for c in range(size)} - floor
+    free = sorted(floor)
+    targets = rng.sample(free, num_boxes)
+    boxes = set(targets)
+    player = rng.choice([p for p in free if p not in boxes])
+    for _ in range(rng.randint(3 * size, 8 * size)):
+        dr, dc = MOVES[rng.choice(list(MOVES))]
+        nxt, behind = (player[0] + dr, player[1] + dc), (player[0] - dr, player[1] - dc)
+        if nxt in walls or nxt in boxes:
+            continue
+        if behind in boxes and rng.random() < 0.8:
+            boxes.remove(behind)
+            boxes.add(player)
+        player = nxt
+    return draw((size, size), walls, set(targets), boxes, player)
+
+
+class SokobanOptions(EnvOptions):
+    size: int = Field(6, ge=5, le=7, description="Side of the square room, outer walls included.")
+    num_boxes: int = Field(1, ge=1, le=2, description="Boxes (and targets) in the room.")
+
+
+class SokobanEnv(Env):
+    """One Sokoban episode in a 5x5 room (subclasses set the turn cap of bigger rooms)."""
+
+    max_turns: ClassVar[int] = 10
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+        self.room = Room([str(r) for r in task.fields["rows"]])
+        self.done = False
+
+    def render(self) -> str:
+        return "\n".join(" ".join(row) for row in self.room.rows())
+
+    def on_target(self) -> float:
+        return len(self.room.boxes & self.room.targets) / len(self.room.boxes)
+
+    def reset(self) -> EnvReset:
+        return EnvReset(messages=[dict(m) for m in self.task.messages])
+
+    def step(self, assistant_text: str) -> EnvStep:
+        if self.done:
+            raise RuntimeError("step() called after the episode ended")
+        move, problem = parse_move(assistant_text)
+        rewards = {"success": 0.0, "invalid_action": 0.0, "boxes_on_target": 0.0}
+        info: dict[str, Any] = {}
+        if move is None:
+            rewards["invalid_action"], info["invalid_action"] = 1.0, 1
+            note = problem
+        else:
+            before = self.on_target()
+            moved = push(self.room.walls, self.room.player, self.room.boxes, move)
+            if moved is None:
+                note, info["no_effect"] = f"You tried {move} but it is blocked; nothing moved.", 1
+            else:
+                pushed = moved[1] != self.room.boxes
+                self.room.player, self.room.boxes = moved
+                note = f"You moved {move}{' and pushed a box' if pushed else ''}."
+            rewards["boxes_on_target"] = self.on_target() - before
+            if self.room.solved():
+                self.done = True
+                rewards["success"] = 1.0
+                return EnvStep(rewards=rewards, done=True, info=info)
+        content = f"{note}\n{self.render()}\n{ANSWER_FORMAT}"
+        observation: list[Message] = [{"role": "user", "content": content}]
+        return EnvStep(messages=observation, rewards=rewards, info=info)
+
+
+class Sokoban6Env(SokobanEnv):
+    max_turns: ClassVar[int] = 14
+
+
+class Sokoban7Env(SokobanEnv):
+    max_turns: ClassVar[int] = 20
+
+
+ENV_BY_SIZE: dict[int, type[SokobanEnv]] = {5: SokobanEnv, 6: Sokoban6Env, 7: Sokoban7Env}
+
+
+def make_task(rows: Sequence[str]) -> Task:
+    """The task for one level given as legend rows; its id is the rows."""
+    rows = list(rows)
+    system = (
+        "You are playing Sokoban. Push every box onto a target. Each turn make one move: Up, Down, "
+        "Left or Right. Walking into a box pushes it if the cell behind it is free; you cannot pull "
+        "boxes, push two at once or walk through walls.\n"
+        "Legend: # wall, _ floor, O target, X box, √ box on target, P player, S player on target."
+    )
+    user = "\n".join(" ".join(row) for row in rows) + f"\n{ANSWER_FORMAT}"
+    messages = ({"role": "system", "content": system}, {"role": "user", "content": user})
+    return Task(id="sokoban:" + "/".join(rows), messages=messages, fields={"rows": rows})
+
+
+@register_env
+class SokobanFamily(EnvFamily):
+    name: ClassVar[str] = "sokoban"
+    description: ClassVar[str] = "Push boxes onto targets in a small room, one move a turn (RAGEN)."
+    Options: ClassVar[type[EnvOptions]] = SokobanOptions
+    success_metric: ClassVar[str] = "success"
+    reward_weights: ClassVar[Mapping[str, float]] = {
+        "success": 1.0,
+        "invalid_action": -0.1,
+        "boxes_on_target": 0.0,
+    }
+    example_config: ClassVar[str] = "examples/env_sokoban.yaml"
+
+    def generate(self, seed: int) -> Task:
+        opts = self.options
+        assert isinstance(opts, SokobanOptions)
+        rng = random.Random(seed)
+        longest = ENV_BY_SIZE[opts.size].max_turns // 2
+        for _ in range(1000):
+            rows = reverse_play(rng, opts.size, opts.num_boxes)
+            if Room(rows).solved():
+                continue
+            solution = solve_sokoban(rows)
+            if solution is not None and len(solution) <= longest:
+                return make_task(rows)
+        raise ConfigError(f"sokoban: no level found for seed {seed}; change task.env.options")
+
+    def make(self, task: Task) -> Env:
+        cls = ENV_BY_SIZE.get(len(task.fields["rows"]), SokobanEnv)
+        return cls(task)

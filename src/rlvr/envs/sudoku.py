@@ -1,0 +1,218 @@
+"""Sudoku 4x4: fill the blanks so every row, column and 2x2 box holds the digits 1-4 once.
+
+A small logic puzzle with a cheap exact verifier, in the spirit of the puzzle environments of
+Reasoning Gym (Stojanovski et al., 2025) and Enigmata (Chen et al., 2025), shrunk to 4x4 so that a
+small model can solve it. Each instance has a unique solution: a full grid is made by a seeded shuffle
+of a base pattern (digits, rows within bands, bands, columns within stacks, stacks, transpose), then
+cells are removed one at a time as long as a backtracking solver still finds exactly one solution.
+
+The puzzle is shown with '.' for blanks, one row per line. The answer is the full grid inside
+`<answer>...</answer>`: 4 lines of 4 digits (spaces, commas, bars or one line of 16 digits are also
+read). Reward parts: `success` (a valid grid that keeps every given digit) and `format` (a 16-digit
+grid was read; weight 0.1, earned at most once per episode). A wrong answer gets feedback naming what
+is wrong and one more try.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from collections.abc import Mapping
+from typing import ClassVar
+
+from pydantic import Field
+
+from rlvr.envs.base import Env, EnvFamily, EnvOptions, EnvReset, EnvStep, Message, register_env
+from rlvr.errors import ConfigError
+from rlvr.records import Task
+from rlvr.verifiers.builtin import extract_tagged
+
+Grid = list[int]  # 16 cells, row-major; 0 is a blank
+_BOX_NAMES = ("top-left", "top-right", "bottom-left", "bottom-right")
+_SEPARATORS = re.compile(r"[\s,;|+\-_\[\]]")
+
+
+def box_of(cell: int) -> int:
+    return (cell // 8) * 2 + (cell % 4) // 2
+
+
+def _units() -> list[tuple[str, list[int]]]:
+    rows = [(f"Row {r + 1}", [r * 4 + c for c in range(4)]) for r in range(4)]
+    cols = [(f"Column {c + 1}", [r * 4 + c for r in range(4)]) for c in range(4)]
+    boxes = [
+        (f"The {_BOX_NAMES[b]} box", [i for i in range(16) if box_of(i) == b]) for b in range(4)
+    ]
+    return rows + cols + boxes
+
+
+UNITS = _units()
+_PEERS = [{j for _, unit in UNITS if i in unit for j in unit if j != i} for i in range(16)]
+
+
+def count_solutions(grid: Grid, limit: int = 2) -> int:
+    """Number of completions of `grid` (0 = blank), counting no further than `limit`."""
+    try:
+        cell = grid.index(0)
+    except ValueError:
+        return 1
+    total = 0
+    taken = {grid[j] for j in _PEERS[cell]}
+    for digit in range(1, 5):
+        if digit not in taken:
+            grid[cell] = digit
+            total += count_solutions(grid, limit - total)
+            grid[cell] = 0
+            if total >= limit:
+                break
+    return total
+
+
+def random_full_grid(rng: random.Random) -> Grid:
+    """A valid full grid: the base pattern under a random symmetry of the 4x4 Sudoku."""
+
+    def order() -> list[int]:
+        bands = rng.sample([0, 1], 2)
+        return [2 * b + i for b in bands for i in rng.sample([0, 1], 2)]
+
+    digits = rng.sample([1, 2, 3, 4], 4)
+    rows, cols = order(), order()
+    grid = [
+        digits[(2 * (rows[r] % 2) + rows[r] // 2 + cols[c]) % 4] for r in range(4) for c in range(4)
+    ]
+    if rng.random() < 0.5:
+        grid = [grid[c * 4 + r] for r in range(4) for c in range(4)]
+    return grid
+
+
+def render(grid: Grid) -> str:
+    cells = "".join(str(d) if d else "." for d in grid)
+    return "\n".join(cells[r * 4 : r * 4 + 4] for r in range(4))
+
+
+def parse_grid(text: str) -> Grid | None:
+    """The 16 digits of an answer grid, or None when it is not exactly 16 digits."""
+    cleaned = _SEPARATORS.sub("", text)
+    return [int(ch) for ch in cleaned] if re.fullmatch(r"\d{16}", cleaned) else None
+
+
+def grid_problems(grid: Grid, puzzle: Grid) -> list[str]:
+    """Everything that makes `grid` not a valid completion of `puzzle`, in plain words."""
+    problems = []
+    for i, (given, got) in enumerate(zip(puzzle, grid, strict=True)):
+        if given and got != given:
+            problems.append(f"Row {i // 4 + 1}, column {i % 4 + 1} is given as {given}, not {got}.")
+    for i, d in enumerate(grid):
+        if not 1 <= d <= 4:
+            problems.append(f"Only digits 1-4 are allowed, not {d} (row {i // 4 + 1}).")
+    for label, unit in UNITS:
+        counts = Counter(grid[i] for i in unit)
+        for d, k in sorted(counts.items()):
+            if k > 1 and 1 <= d <= 4:
+                problems.append(f"{label} has {d} {'twice' if k == 2 else f'{k} times'}.")
+    return problems
+
+
+class SudokuOptions(EnvOptions):
+    num_blanks: int = Field(
+        6,
+        ge=4,
+        le=10,
+        description="Blank cells per puzzle (more is harder); the solution stays unique.",
+    )
+
+
+@register_env
+class SudokuFamily(EnvFamily):
+    name: ClassVar[str] = "sudoku"
+    description: ClassVar[str] = "4x4 Sudoku with a unique solution; answer the full grid."
+    Options: ClassVar[type[EnvOptions]] = SudokuOptions
+    success_metric: ClassVar[str] = "success"
+    reward_weights: ClassVar[Mapping[str, float]] = {"success": 1.0, "format": 0.1}
+    example_config: ClassVar[str] = "examples/env_sudoku.yaml"
+
+    def generate(self, seed: int) -> Task:
+        opts = self.options
+        assert isinstance(opts, SudokuOptions)
+        rng = random.Random(seed)
+        for _ in range(100):
+            solution = random_full_grid(rng)
+            puzzle = list(solution)
+            blanks = 0
+            for cell in rng.sample(range(16), 16):
+                if blanks == opts.num_blanks:
+                    break
+                puzzle[cell] = 0
+                if count_solutions(puzzle) == 1:
+                    blanks += 1
+                else:
+                    puzzle[cell] = solution[cell]
+            if blanks == opts.num_blanks:
+                return make_task(puzzle, solution)
+        raise ConfigError(f"sudoku: no puzzle with {opts.num_blanks} blanks for seed {seed}")
+
+    def make(self, task: Task) -> Env:
+        return SudokuEnv(task, [0 if ch == "." else int(ch) for ch in task.fields["puzzle"]])
+
+
+def make_task(puzzle: Grid, solution: Grid | None = None) -> Task:
+    """The task for one puzzle; its id is the puzzle row-major with '.' for blanks."""
+    flat = render(puzzle).replace("\n", "")
+    system = (
+        "Solve the 4x4 Sudoku: each row, column and 2x2 box must contain 1, 2, 3, 4 once. "
+        "'.' is a blank. Give the full grid, 4 lines of 4 digits, inside <answer></answer>."
+    )
+    messages = (
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"Puzzle:\n{render(puzzle)}"},
+    )
+    fields = {"puzzle": flat}
+    if solution is not None:
+        fields["solution"] = "".join(map(str, solution))
+    return Task(id=f"sudoku:{flat}", messages=messages, fields=fields)
+
+
+class SudokuEnv(Env):
+    """One Sudoku episode: answer, get feedback on a wrong grid, answer again."""
+
+    max_turns: ClassVar[int] = 2
+
+    def __init__(self, task: Task, puzzle: Grid) -> None:
+        self.task, self.puzzle = task, puzzle
+        self.turns = 0
+        self.format_paid = False
+        self.done = False
+
+    def reset(self) -> EnvReset:
+        return EnvReset(messages=[dict(m) for m in self.task.messages])
+
+    def check(self, assistant_text: str) -> tuple[bool, bool, str]:
+        """(parsed, solved, feedback) for one answer."""
+        answer = extract_tagged(assistant_text, "answer")
+        if answer is None:
+            return False, False, "Put the full grid inside <answer></answer>, 4 lines of 4 digits."
+        grid = parse_grid(answer)
+        if grid is None:
+            cleaned = _SEPARATORS.sub("", answer)
+            if "." in cleaned:
+                return False, False, "Your grid still has blanks; fill every '.' with a digit."
+            found = sum(ch.isdigit() for ch in cleaned)
+            return False, False, f"Wrong shape: give 4 lines of 4 digits (found {found} digits)."
+        problems = grid_problems(grid, self.puzzle)
+        return True, not problems, " ".join(problems[:2])
+
+    def step(self, assistant_text: str) -> EnvStep:
+        if self.done:
+            raise RuntimeError("step() called after the episode ended")
+        self.turns += 1
+        parsed, solved, feedback = self.check(assistant_text)
+        # Format is paid once per episode, so a deliberate miss before the right answer earns nothing.
+        fmt = 1.0 if parsed and not self.format_paid else 0.0
+        self.format_paid = self.format_paid or parsed
+        rewards = {"success": 1.0 if solved else 0.0, "format": fmt}
+        info = {"turn": self.turns, "parsed": parsed}
+        if solved:
+            self.done = True
+            return EnvStep(rewards=rewards, done=True, info=info)
+        observation: list[Message] = [{"role": "user", "content": f"{feedback} Try again."}]
+        return EnvStep(messages=observation, rewards=rewards, done=False, info=info)

@@ -1,0 +1,293 @@
+"""The rollout engine: many episodes at once on the Generator seam; pause, step the env, resume.
+
+Every rollout (single-turn tasks included, as one-step envs) goes through `rollout_groups`:
+
+    reset every env -> render each opening conversation once
+    repeat until every episode is over:
+        sample one assistant turn for every live episode (one batched generator call)
+        append the sampled tokens (policy_mask 1, behaviour log-probs kept)
+        env.step(decoded turn) -> observation messages, reward parts, done
+        append the template glue + observation tokens (policy_mask 0, log-prob 0)
+    score: rubric functions on the finished trajectory + the env's reward parts
+
+Token-exact: a trajectory's ids are the rendered prompt, then exactly what was sampled, then the
+observations tokenized on their own (rollout/chat.py), never a re-tokenization of decoded text.
+Limits: the env's (or config's) max_turns, a budget on completion tokens (sampled + observations),
+and a cap on each observation message's tokens (truncated on a configured side).
+
+Why the engine re-prefills each live conversation every turn instead of keeping its KV cache: the
+Generator seam is stateless (vLLM's prefix cache makes that free there); on CPU at these lengths the
+prefill is a small part of a turn's cost. Noted as a known cost in NOTES.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlvr.envs.base import Env, EnvStep
+from rlvr.records import FinishReason, Group, Span, Task, Trajectory
+from rlvr.rollout.chat import (
+    Truncation,
+    observation_glue_text,
+    render_prompt_ids,
+    truncate_text,
+)
+from rlvr.rollout.generator import Completion, Generator, SamplingParams
+from rlvr.verifiers import Rubric
+
+EnvFactory = Callable[[Task], Env]
+
+
+@dataclass(frozen=True)
+class RolloutLimits:
+    """Caps on one episode. `max_turns` None = the env's own default (`Env.max_turns`)."""
+
+    max_turns: int | None = None
+    max_total_tokens: int = 2048
+    max_observation_tokens: int = 512
+    observation_truncation: Truncation = "right"
+    tool_timeout_s: float = 5.0
+    max_tool_calls_per_turn: int = 4
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How a finished trajectory is scored: rubric functions (may be None) + the env's reward parts.
+
+    Each env part weighs `env_weights.get(name, 1.0)`; weight 0 parts are logged, not optimised.
+    """
+
+    rubric: Rubric | None = None
+    env_weights: Mapping[str, float] = field(default_factory=dict)
+
+    def names(self, env_parts: Sequence[str] = ()) -> list[str]:
+        return [*(self.rubric.names if self.rubric else ()), *env_parts]
+
+
+@dataclass
+class _Episode:
+    task: Task
+    env: Env
+    max_turns: int
+    tools: list[dict[str, Any]]
+    token_ids: list[int]
+    prompt_length: int
+    policy_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[Span] = field(default_factory=list)
+    turn_parts: list[dict[str, float]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    info: dict[str, float] = field(default_factory=dict)
+    last_text: str = ""
+    finish: FinishReason | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.policy_mask = [0] * len(self.token_ids)
+        self.logprobs = [0.0] * len(self.token_ids)
+
+    @property
+    def used(self) -> int:
+        return len(self.token_ids) - self.prompt_length
+
+
+def _configure(env: Env, limits: RolloutLimits) -> None:
+    # Tool envs read their per-call limits from these attributes (see envs/tools.py).
+    if hasattr(env, "timeout_s"):
+        env.timeout_s = limits.tool_timeout_s
+    if hasattr(env, "max_calls_per_turn"):
+        env.max_calls_per_turn = limits.max_tool_calls_per_turn
+
+
+def _start(task: Task, make_env: EnvFactory, tokenizer: Any, limits: RolloutLimits) -> _Episode:
+    env = make_env(task)
+    _configure(env, limits)
+    opening = env.reset()
+    ids = render_prompt_ids(tokenizer, opening.messages, opening.tools)
+    return _Episode(
+        task=task,
+        env=env,
+        max_turns=limits.max_turns or env.max_turns,
+        tools=list(opening.tools),
+        token_ids=ids,
+        prompt_length=len(ids),
+    )
+
+
+def _sample_turn(
+    live: list[_Episode], generator: Generator, sampling: SamplingParams, budget: int
+) -> list[Completion]:
+    """One assistant turn for every live episode, in order, in one generator call.
+
+    Episodes with identical conversations (the G samples of a task on their first turn) are sent
+    once with n = G, so the generator prefills that prompt once.
+    """
+    params = dataclasses.replace(sampling, n=1, max_new_tokens=max(1, budget))
+    order: dict[tuple[int, ...], list[int]] = {}
+    for i, ep in enumerate(live):
+        order.setdefault(tuple(ep.token_ids), []).append(i)
+    sizes = {len(v) for v in order.values()}
+    out: list[Completion | None] = [None] * len(live)
+    if len(sizes) == 1 and (k := sizes.pop()) > 1:
+        results = generator.generate(list(order), dataclasses.replace(params, n=k))
+        for members, completions in zip(order.values(), results, strict=True):
+            for i, c in zip(members, completions, strict=True):
+                out[i] = c
+    else:
+        results = generator.generate([ep.token_ids for ep in live], params)
+        for i, completions in enumerate(results):
+            out[i] = completions[0]
+    assert all(c is not None for c in out)
+    return [c for c in out if c is not None]
+
+
+def _special_text(tokenizer: Any, token_id: int) -> str:
+    if token_id in set(getattr(tokenizer, "all_special_ids", ())):
+        return str(tokenizer.decode([token_id]))
+    return ""
+
+
+def _append_observation(
+    ep: _Episode,
+    step: EnvStep,
+    tokenizer: Any,
+    limits: RolloutLimits,
+    sampled_eos_text: str,
+) -> bool:
+    """Append the observation's tokens; False when they do not fit the token budget."""
+    messages = []
+    for m in step.messages:
+        content = str(m.get("content", ""))
+        content = truncate_text(
+            tokenizer, content, limits.max_observation_tokens, limits.observation_truncation
+        )
+        messages.append({**m, "content": content})
+    glue = observation_glue_text(tokenizer, messages, ep.tools, sampled_eos_text=sampled_eos_text)
+    ids = [int(i) for i in tokenizer(glue, add_special_tokens=False)["input_ids"]]
+    if ep.used + len(ids) >= limits.max_total_tokens:
+        return False
+    ep.token_ids.extend(ids)
+    ep.policy_mask.extend([0] * len(ids))
+    ep.logprobs.extend([0.0] * len(ids))
+    ep.messages.extend(messages)
+    return True
+
+
+def run_episodes(
+    tasks: Sequence[Task],
+    make_env: EnvFactory,
+    generator: Generator,
+    tokenizer: Any,
+    sampling: SamplingParams,
+    limits: RolloutLimits,
+) -> list[list[_Episode]]:
+    """Play `sampling.n` episodes of each task to the end; (P, G) finished episodes."""
+    episodes = [[_start(t, make_env, tokenizer, limits) for _ in range(sampling.n)] for t in tasks]
+    flat = [ep for group in episodes for ep in group]
+    while live := [ep for ep in flat if ep.finish is None]:
+        budget = min(sampling.max_new_tokens, max(limits.max_total_tokens - ep.used for ep in live))
+        for ep, completion in zip(
+            live, _sample_turn(live, generator, sampling, budget), strict=True
+        ):
+            room = limits.max_total_tokens - ep.used
+            sampled = list(completion.token_ids[:room])
+            cut = len(sampled) < len(completion.token_ids) or completion.finish_reason == "length"
+            start = len(ep.token_ids)
+            ep.token_ids.extend(sampled)
+            ep.policy_mask.extend([1] * len(sampled))
+            ep.logprobs.extend(completion.logprobs[: len(sampled)])
+            ep.turns.append(Span(start, len(ep.token_ids)))
+            text = str(tokenizer.decode(sampled, skip_special_tokens=True))
+            ep.last_text = text
+            ep.messages.append({"role": "assistant", "content": text})
+            try:
+                step = ep.env.step(text)
+            except Exception as exc:  # a broken env is reported, never turned into a reward
+                ep.error = f"{type(exc).__name__}: {exc}"[:500]
+                ep.turn_parts.append({})
+                ep.finish = "error"
+                continue
+            ep.turn_parts.append({k: float(v) for k, v in step.rewards.items()})
+            for key, value in step.info.items():
+                if isinstance(value, (int, float)):
+                    ep.info[key] = ep.info.get(key, 0.0) + float(value)
+            if step.done:
+                ep.finish = "length" if cut else "stop"
+            elif ep.used >= limits.max_total_tokens:
+                ep.finish = "length"
+            elif len(ep.turns) >= ep.max_turns:
+                ep.finish = "max_turns"
+            else:
+                eos_text = "" if not sampled or cut else _special_text(tokenizer, sampled[-1])
+                if not _append_observation(ep, step, tokenizer, limits, eos_text):
+                    ep.finish = "length"
+    return episodes
+
+
+def _trajectory(ep: _Episode, scoring: Scoring) -> Trajectory:
+    """Score a finished episode: env parts summed over turns + rubric components."""
+    parts: dict[str, float] = {}
+    for turn in ep.turn_parts:
+        for name, value in turn.items():
+            parts[name] = parts.get(name, 0.0) + value
+    turn_totals = [
+        sum(scoring.env_weights.get(n, 1.0) * v for n, v in turn.items()) for turn in ep.turn_parts
+    ]
+    info: dict[str, Any] = {**ep.info, "num_turns": len(ep.turns)}
+    errors: dict[str, str] = {}
+    if ep.error is not None:
+        errors["env"] = ep.error
+    trajectory = Trajectory(
+        task_id=ep.task.id,
+        token_ids=tuple(ep.token_ids),
+        policy_mask=tuple(ep.policy_mask),
+        logprobs=tuple(ep.logprobs),
+        prompt_length=ep.prompt_length,
+        completion_text=ep.last_text,
+        finish_reason=ep.finish or "error",
+        turns=tuple(ep.turns),
+        messages=tuple(ep.messages),
+        source=ep.task.source,
+    )
+    rewards = dict(parts)
+    if scoring.rubric is not None:
+        score = scoring.rubric.score(trajectory, ep.task)
+        rewards.update(score.rewards)
+        errors.update(score.errors)
+        if turn_totals:
+            turn_totals[-1] += score.total
+    if errors:
+        info["reward_errors"] = errors
+    return dataclasses.replace(
+        trajectory,
+        rewards=rewards,
+        reward=sum(turn_totals) if not errors else 0.0,
+        turn_rewards=tuple(turn_totals),
+        reward_errors=tuple(sorted(errors)),
+        info=info,
+    )
+
+
+def rollout_groups(
+    tasks: Sequence[Task],
+    make_env: EnvFactory,
+    generator: Generator,
+    tokenizer: Any,
+    sampling: SamplingParams,
+    scoring: Scoring | Callable[[Task], Scoring],
+    limits: RolloutLimits | None = None,
+) -> list[Group]:
+    """Play and score `sampling.n` trajectories per task (a (P, G) list of groups).
+
+    `scoring` may be a function of the task (a mixture scores each source its own way). Without
+    `limits`, one turn of at most `sampling.max_new_tokens` tokens (the single-turn case)."""
+    limits = limits or RolloutLimits(max_total_tokens=sampling.max_new_tokens)
+    episodes = run_episodes(tasks, make_env, generator, tokenizer, sampling, limits)
+    groups = []
+    for task, group in zip(tasks, episodes, strict=True):
+        how = scoring(task) if callable(scoring) else scoring
+        groups.append(Group(task=task, trajectories=tuple(_trajectory(ep, how) for ep in group)))
+    return groups

@@ -1,0 +1,145 @@
+"""Where a run's tasks come from: one task set or env, or a weighted mixture of them.
+
+Each source (a `MixtureComponent` of the config; a plain config is one source named "main") has its
+own train/held-out split, its own rubric, and its own env: a built-in family for `task.source: env`,
+otherwise the one-step `SingleTurnEnv`. Tasks carry their source's name (`Task.source`), so the
+engine asks the right env and rubric for each, and metrics can be split by source.
+
+The mixture draws each prompt's source with the configured weights from a seeded RNG whose state,
+like each source's sampler position, is checkpointed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlvr.build import build_rubric
+from rlvr.config import MixtureComponent, RunConfig
+from rlvr.envs import Env, EnvFamily, SingleTurnEnv, get_env_family
+from rlvr.errors import ConfigError
+from rlvr.records import Task
+from rlvr.rollout.engine import Scoring
+from rlvr.tasks import TaskSampler, TaskSplits, load_tasks
+
+
+@dataclass
+class Source:
+    name: str
+    weight: float
+    splits: TaskSplits
+    scoring: Scoring
+    family: EnvFamily | None
+    metric: str  # the reward component read as accuracy on held-out tasks
+    sampler: TaskSampler
+
+    def make_env(self, task: Task) -> Env:
+        return self.family.make(task) if self.family is not None else SingleTurnEnv(task)
+
+    @property
+    def reward_names(self) -> list[str]:
+        rubric = list(self.scoring.rubric.names) if self.scoring.rubric else []
+        return rubric + [n for n in self.scoring.env_weights if n not in rubric]
+
+
+def _build_source(
+    component: MixtureComponent,
+    cfg: RunConfig,
+    config_dir: Path | None,
+    tasks: TaskSplits | None,
+) -> Source:
+    family = None
+    env_weights: dict[str, float] = {}
+    if component.task.source == "env":
+        assert component.task.env is not None
+        family = get_env_family(component.task.env.name, component.task.env.options)
+        env_weights = {**family.reward_weights, **component.task.env.reward_weights}
+        env_weights.setdefault(family.success_metric, 1.0)
+    splits = tasks if tasks is not None else load_tasks(component.task)
+    splits = TaskSplits(
+        train=[dataclasses.replace(t, source=component.name) for t in splits.train],
+        heldout=[dataclasses.replace(t, source=component.name) for t in splits.heldout],
+    )
+    rubric = build_rubric(component.rewards, base_dir=config_dir) if component.rewards else None
+    names = list(rubric.names if rubric else []) + list(env_weights)
+    metric = cfg.eval.metric or (family.success_metric if family else names[0])
+    if metric not in names:
+        raise ConfigError(
+            f"eval.metric '{metric}' is not a reward component of source '{component.name}' "
+            f"(components: {', '.join(names)})"
+        )
+    return Source(
+        name=component.name,
+        weight=component.weight,
+        splits=splits,
+        scoring=Scoring(rubric=rubric, env_weights=env_weights),
+        family=family,
+        metric=metric,
+        sampler=TaskSampler(splits.train, seed=cfg.train.seed),
+    )
+
+
+class Sources:
+    """All sources of a run, the mixture draw, and per-task dispatch of env and scoring."""
+
+    def __init__(
+        self, cfg: RunConfig, config_dir: Path | None = None, tasks: TaskSplits | None = None
+    ) -> None:
+        components = cfg.components()
+        if tasks is not None and len(components) > 1:
+            raise ConfigError("train(tasks=...) replaces a single task source, not a mixture")
+        self.by_name: dict[str, Source] = {
+            c.name: _build_source(c, cfg, config_dir, tasks) for c in components
+        }
+        self.rng = random.Random(f"mixture:{cfg.train.seed}")
+
+    @property
+    def is_mixture(self) -> bool:
+        return len(self.by_name) > 1
+
+    def __iter__(self) -> Any:
+        return iter(self.by_name.values())
+
+    def of(self, task: Task) -> Source:
+        return self.by_name[task.source]
+
+    def make_env(self, task: Task) -> Env:
+        return self.of(task).make_env(task)
+
+    def scoring(self, task: Task) -> Scoring:
+        return self.of(task).scoring
+
+    def next_batch(self, n: int) -> list[Task]:
+        """n tasks; with a mixture each one's source is drawn by weight."""
+        sources = list(self.by_name.values())
+        if len(sources) == 1:
+            return sources[0].sampler.next_batch(n)
+        picks = self.rng.choices(sources, weights=[s.weight for s in sources], k=n)
+        return [s.sampler.next_batch(1)[0] for s in picks]
+
+    @property
+    def reward_names(self) -> list[str]:
+        names: list[str] = []
+        for s in self:
+            names += [n for n in s.reward_names if n not in names]
+        return names
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "samplers": {name: s.sampler.state_dict() for name, s in self.by_name.items()},
+            "mixture_rng": self.rng.getstate(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if "samplers" not in state:  # a checkpoint from before mixtures: one sampler
+            next(iter(self)).sampler.load_state_dict(dict(state))
+            return
+        for name, sampler_state in state["samplers"].items():
+            if name in self.by_name:
+                self.by_name[name].sampler.load_state_dict(sampler_state)
+        rng_state = state["mixture_rng"]
+        self.rng.setstate((rng_state[0], tuple(rng_state[1]), rng_state[2]))

@@ -1,0 +1,127 @@
+"""Two-armed bandit env family: scoring, generated arms, ids and splits, options."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from rlvr.envs.bandit import NAME_PAIRS, BanditEnv, BanditFamily, expected_value, make_task
+from rlvr.envs.base import split_instances
+from rlvr.errors import ConfigError
+
+ARMS: list[dict[str, Any]] = [
+    {"name": "gold", "coins": 5, "percent": 90, "risk": "low"},  # EV 4.5
+    {"name": "silver", "coins": 20, "percent": 10, "risk": "high"},  # EV 2.0
+]
+
+
+def step(text: str) -> tuple[dict[str, float], dict[str, Any], bool]:
+    env = BanditFamily().make(make_task(ARMS))
+    out = env.step(text)
+    assert out.messages == []
+    return out.rewards, out.info, out.done
+
+
+def test_task_messages_and_reset() -> None:
+    task = make_task(ARMS)
+    assert task.id == "bandit:gold=5@90,silver=20@10"
+    assert [m["role"] for m in task.messages] == ["system", "user"]
+    user = task.messages[1]["content"]
+    assert "Arm gold: 5 coins with probability 90%, else 0." in user
+    assert "Arm silver: 20 coins with probability 10%, else 0." in user
+    assert user.endswith("e.g. <answer>gold</answer>.")
+    assert "risk" not in user
+    env = BanditFamily().make(task)
+    assert env.reset().messages == [dict(m) for m in task.messages]
+    assert BanditEnv.max_turns == 1
+
+
+def test_better_arm_succeeds() -> None:
+    rewards, info, done = step("Gold pays 4.5 on average. <answer>Gold</answer>")
+    assert done
+    assert rewards == {"success": 1.0, "payout": 1.0, "invalid_action": 0.0}
+    assert info == {"high_risk": 0}
+    assert step("<answer> arm GOLD. </answer>")[0]["success"] == 1.0
+
+
+def test_worse_arm_fails_with_partial_payout() -> None:
+    rewards, info, done = step("<answer>gold</answer> hmm, <answer>silver</answer>")
+    assert done
+    assert rewards == {"success": 0.0, "payout": pytest.approx(2.0 / 4.5), "invalid_action": 0.0}
+    assert info == {"high_risk": 1}
+
+
+@pytest.mark.parametrize("text", ["<answer>copper</answer>", "gold", "<answer></answer>"])
+def test_invalid_answers_are_penalised(text: str) -> None:
+    rewards, info, done = step(text)
+    assert done
+    assert rewards == {"success": 0.0, "payout": 0.0, "invalid_action": 1.0}
+    assert info == {"invalid_action": 1}
+
+
+def test_env_is_single_use() -> None:
+    env = BanditFamily().make(make_task(ARMS))
+    env.step("<answer>gold</answer>")
+    with pytest.raises(RuntimeError):
+        env.step("<answer>gold</answer>")
+
+
+def test_generated_arms_follow_the_rules() -> None:
+    family = BanditFamily({"min_gap": 0.3})
+    better: Counter[str] = Counter()
+    first_is_low = 0
+    for seed in range(300):
+        task = family.generate(seed)
+        assert task == family.generate(seed)
+        low, high = sorted(task.fields["arms"], key=lambda a: a["risk"] != "low")
+        assert (low["risk"], high["risk"]) == ("low", "high")
+        assert (low["name"], high["name"]) in NAME_PAIRS or (
+            high["name"],
+            low["name"],
+        ) in NAME_PAIRS
+        assert low["percent"] > high["percent"] and low["coins"] < high["coins"]
+        lo, hi = expected_value(low), expected_value(high)
+        assert abs(lo - hi) >= 0.3 * max(lo, hi) > 0
+        better["high" if hi > lo else "low"] += 1
+        first_is_low += task.fields["arms"][0]["risk"] == "low"
+        best = max(task.fields["arms"], key=expected_value)["name"]
+        rewards = family.make(task).step(f"<answer>{best}</answer>").rewards
+        assert rewards["success"] == 1.0 and rewards["payout"] == 1.0
+    assert 100 < better["high"] < 200  # "random": either arm is better about half the time
+    assert 100 < first_is_low < 200  # the listing order does not give the risk away
+
+
+@pytest.mark.parametrize("which", ["low_risk", "high_risk"])
+def test_better_option_fixes_which_arm_wins(which: str) -> None:
+    family = BanditFamily({"better": which})
+    for seed in range(50):
+        arms = family.generate(seed).fields["arms"]
+        assert max(arms, key=expected_value)["risk"] == which.removesuffix("_risk")
+
+
+def test_ids_are_mostly_distinct_and_split_is_disjoint() -> None:
+    family = BanditFamily()
+    assert len({family.generate(s).id for s in range(200)}) >= 190
+    train, heldout = split_instances(family.generate, 200, 20)
+    assert len(train) == 200 and len(heldout) == 20
+    assert not {t.id for t in train} & {t.id for t in heldout}
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [({"min_gap": 1.5}, "min_gap"), ({"better": "gold"}, "better"), ({"arms": 3}, "arms")],
+)
+def test_bad_options_raise_config_error_naming_the_option(
+    options: dict[str, object], name: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"task.env.options.{name}"):
+        BanditFamily(options)
+
+
+def test_family_metadata() -> None:
+    assert BanditFamily.name == "bandit"
+    assert BanditFamily.success_metric == "success"
+    assert BanditFamily.reward_weights == {"success": 1.0, "payout": 0.0, "invalid_action": -0.1}
+    assert BanditFamily.example_config == "examples/env_bandit.yaml"

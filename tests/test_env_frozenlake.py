@@ -1,0 +1,175 @@
+"""FrozenLake env family: rules, slips, generated lakes are solvable, ids and splits, options."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlvr.envs.base import split_instances
+from rlvr.envs.frozenlake import (
+    ENV_BY_SIZE,
+    FrozenLakeEnv,
+    FrozenLakeFamily,
+    make_task,
+    solve_frozenlake,
+)
+from rlvr.errors import ConfigError
+
+LAKE = ["PFFF", "FHFH", "FFFH", "HFFG"]
+
+
+def answer(move: str) -> str:
+    return f"Let me think. <answer>{move}</answer>"
+
+
+def play(env: FrozenLakeEnv, moves: list[str]) -> tuple[float, bool]:
+    """(total success, done) after playing the moves until the episode ends."""
+    success, done = 0.0, False
+    for move in moves:
+        out = env.step(answer(move))
+        success += out.rewards["success"]
+        done = out.done
+        if done:
+            break
+    return success, done
+
+
+def test_task_messages_and_reset() -> None:
+    task = make_task(LAKE)
+    assert task.id == "frozenlake:PFFF/FHFH/FFFH/HFFG"
+    assert [m["role"] for m in task.messages] == ["system", "user"]
+    assert "P player, F frozen ice, H hole, G goal" in task.messages[0]["content"]
+    user = task.messages[1]["content"]
+    assert user.startswith("P F F F\nF H F H\nF F F H\nH F F G\n")
+    assert user.endswith("e.g. <answer>Left</answer>.")
+    assert FrozenLakeFamily().make(task).reset().messages == [dict(m) for m in task.messages]
+    assert make_task(LAKE, slippery=True).id.endswith(":slippery")
+
+
+def test_moves_and_edges() -> None:
+    env = FrozenLakeEnv(make_task(LAKE))
+    out = env.step(answer("Right"))
+    assert env.player == (0, 1)
+    assert out.rewards == {"success": 0.0, "invalid_action": 0.0}
+    assert not out.done
+    assert out.messages[0]["role"] == "user"
+    assert "You moved Right.\nF P F F" in out.messages[0]["content"]
+    out = env.step(answer("up"))  # the top edge: valid, no effect, no penalty
+    assert env.player == (0, 1)
+    assert out.info["no_effect"] == 1
+    assert out.rewards["invalid_action"] == 0.0
+    assert "edge" in out.messages[0]["content"]
+
+
+def test_winning_sequence_succeeds() -> None:
+    env = FrozenLakeEnv(make_task(LAKE))
+    assert play(env, ["Right", "Right", "Down", "Down", "Down", "Right"]) == (1.0, True)
+    shortest = solve_frozenlake(LAKE)
+    assert shortest is not None and len(shortest) == 6
+    assert play(FrozenLakeEnv(make_task(LAKE)), shortest) == (1.0, True)
+
+
+def test_hole_loses_and_ends() -> None:
+    env = FrozenLakeEnv(make_task(LAKE))
+    env.step(answer("Right"))
+    out = env.step(answer("Down"))
+    assert out.done and out.messages == []
+    assert out.rewards == {"success": 0.0, "invalid_action": 0.0}
+    assert out.info["fell"] == 1
+    with pytest.raises(RuntimeError):
+        env.step(answer("Up"))
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [("<answer>Jump</answer>", "'Jump' is not a valid action"), ("Right", "No action found")],
+)
+def test_invalid_action_is_penalised_and_changes_nothing(text: str, why: str) -> None:
+    env = FrozenLakeEnv(make_task(LAKE))
+    out = env.step(text)
+    assert env.player == (0, 0)
+    assert out.rewards == {"success": 0.0, "invalid_action": 1.0}
+    assert out.info == {"invalid_action": 1}
+    assert not out.done
+    content = out.messages[0]["content"]
+    assert why in content and "Valid actions: Up, Down, Left, Right." in content
+    assert "P F F F" in content
+
+
+def test_answer_is_case_insensitive_and_last_tag_wins() -> None:
+    env = FrozenLakeEnv(make_task(LAKE))
+    env.step("<answer>Up</answer> no wait <answer> RIGHT. </answer>")
+    assert env.player == (0, 1)
+
+
+def test_unsolvable_lake_has_no_solution() -> None:
+    assert solve_frozenlake(["PFFF", "HHHH", "FFFF", "FFFG"]) is None
+
+
+@pytest.mark.parametrize("size", [4, 5, 6])
+def test_generated_lakes_are_solvable_within_the_turn_cap(size: int) -> None:
+    family = FrozenLakeFamily({"size": size})
+    for seed in range(50):
+        task = family.generate(seed)
+        assert task == family.generate(seed)  # deterministic
+        rows = task.fields["rows"]
+        assert len(rows) == size and all(len(r) == size for r in rows)
+        path = solve_frozenlake(rows)
+        assert path is not None and 2 <= len(path) <= ENV_BY_SIZE[size].max_turns - 2
+        env = family.make(task)
+        assert type(env).max_turns == ENV_BY_SIZE[size].max_turns
+        assert isinstance(env, FrozenLakeEnv)
+        assert play(env, path) == (1.0, True)
+
+
+def test_ids_are_mostly_distinct_and_split_is_disjoint() -> None:
+    family = FrozenLakeFamily()
+    assert len({family.generate(s).id for s in range(100)}) >= 95
+    train, heldout = split_instances(family.generate, 200, 20)
+    assert len(train) == 200 and len(heldout) == 20
+    assert not {t.id for t in train} & {t.id for t in heldout}
+
+
+def test_slippery_moves_are_seeded_per_env_and_reproducible() -> None:
+    open_lake = ["FFFFF", "FFFFF", "FFPFF", "FFFFF", "FFFFG"]
+    task = make_task(open_lake, slippery=True)
+    family = FrozenLakeFamily({"slippery": True})
+    envs = [family.make(task) for _ in range(300)]
+    assert len({e.seed for e in envs}) == 300  # each env of a task slips differently
+    again = FrozenLakeFamily({"slippery": True})
+    assert [again.make(task).seed for _ in range(300)] == [e.seed for e in envs]  # a run replays
+    ends = []
+    for env in envs:
+        out = env.step(answer("Up"))
+        ends.append(env.player)
+        assert env.player in {(1, 2), (2, 1), (2, 3)}  # intended or perpendicular
+        assert out.info["slipped"] == int(env.player != (1, 2))
+    assert 60 < sum(p != (1, 2) for p in ends) < 140  # about 1/3 slip
+    assert FrozenLakeEnv(task, seed=7).seed == 7
+    assert FrozenLakeEnv(task).seed == FrozenLakeEnv(task).seed  # no seed: fixed by the task id
+
+
+def test_not_slippery_never_slips() -> None:
+    env = FrozenLakeFamily().make(make_task(["FFFF", "FPFF", "FFFF", "FFFG"]))
+    for _ in range(2):
+        out = env.step(answer("Right"))
+        assert out.info["slipped"] == 0
+    assert isinstance(env, FrozenLakeEnv) and env.player == (1, 3)
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [({"size": 7}, "size"), ({"hole_fraction": 0.9}, "hole_fraction"), ({"holes": 3}, "holes")],
+)
+def test_bad_options_raise_config_error_naming_the_option(
+    options: dict[str, object], name: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"task.env.options.{name}"):
+        FrozenLakeFamily(options)
+
+
+def test_family_metadata() -> None:
+    assert FrozenLakeFamily.name == "frozenlake"
+    assert FrozenLakeFamily.success_metric == "success"
+    assert FrozenLakeFamily.reward_weights["invalid_action"] == -0.1
+    assert FrozenLakeFamily.example_config == "examples/env_frozenlake.yaml"
+    assert FrozenLakeEnv.max_turns == 8
