@@ -50,11 +50,11 @@ def test_env_split_is_seed_independent_and_stable(name: str) -> None:
 
 
 def test_unknown_env_and_bad_options_are_one_line_errors() -> None:
-    with pytest.raises(ConfigError, match="not a known env.*calculator"):
+    with pytest.raises(ConfigError, match=r"not a known env.*calculator"):
         get_env_family("no_such_env")
     with pytest.raises(ConfigError, match="num_operations"):
         get_env_family("calculator", {"num_operations": 9})
-    with pytest.raises(ConfigError, match="task.env.options"):
+    with pytest.raises(ConfigError, match=r"task\.env\.options"):
         get_env_family("calculator", {"typo": 1})
 
 
@@ -115,7 +115,7 @@ def test_mixture_config_errors_are_one_line() -> None:
         load_config(base, ["task.source=arithmetic"])
     with pytest.raises(ConfigError, match="rewards is empty"):
         load_config(None, ["task.source=arithmetic", "rewards=[]"])
-    with pytest.raises(ConfigError, match="task.env is missing"):
+    with pytest.raises(ConfigError, match=r"task\.env is missing"):
         load_config(None, ["task.source=env"])
 
 
