@@ -438,3 +438,40 @@ def test_sample_from_logits_masked_tokens_and_determinism() -> None:
 def test_sampling_params_validation(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_shared_prefix_groups_split_consecutive_runs() -> None:
+    from rlvr.rollout.hf import shared_prefix_groups
+
+    prompts = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 9], [7, 7], [7, 7, 8]]
+    # The first three share [1, 2]; [7, 7] and [7, 7, 8] share [7, 7] but [7, 7] needs one own token.
+    assert shared_prefix_groups(prompts, 2) == [(2, [0, 1, 2]), (1, [3, 4])]
+    assert shared_prefix_groups(prompts, 3) == [(3, [0, 1]), (0, [2]), (0, [3]), (0, [4])]
+
+
+def test_shared_prefix_prefill_samples_what_the_plain_prefill_samples(tiny_model_dir: Path) -> None:
+    """Later turns of one task share a long prefix; prefilling it once must not change sampling."""
+    policy = load_policy(str(tiny_model_dir))
+    tok = policy.tokenizer
+    base = tok("the same long opening conversation of one task, " * 2)["input_ids"]
+    prompts = [
+        base + tok("first tail")["input_ids"],
+        base + tok("a longer second tail")["input_ids"],
+        base[:-4] + tok("x")["input_ids"],
+        tok("unrelated")["input_ids"],
+    ]
+    results = []
+    for min_shared in (10**9, 8):  # never share vs share
+        generator = HFGenerator(
+            policy.model,
+            tok,
+            eos_token_ids(policy.model, tok),
+            seed=3,
+            autocast_bf16=False,
+            min_shared_prefix=min_shared,
+        )
+        out = generator.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=10))
+        results.append([c for group in out for c in group])
+    for plain, shared in zip(*results, strict=True):
+        assert plain.token_ids == shared.token_ids
+        assert max(abs(a - b) for a, b in zip(plain.logprobs, shared.logprobs, strict=True)) < 1e-4

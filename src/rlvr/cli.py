@@ -108,8 +108,13 @@ def eval_command(
         str, typer.Argument(help="Model dir, hub id, alias, or a RUN_DIR (its last checkpoint).")
     ],
     task: Annotated[
-        str, typer.Option("--task", help="Task family: arithmetic, or a config YAML's task.")
-    ] = "arithmetic",
+        str | None,
+        typer.Option(
+            "--task",
+            help="arithmetic, env:NAME (a built-in env), or a config YAML whose tasks to use; "
+            "default: the run's own tasks (arithmetic for a bare model).",
+        ),
+    ] = None,
     n: Annotated[int, typer.Option("--n", help="Held-out tasks to evaluate.")] = 100,
     k: Annotated[
         int, typer.Option("--k", help="Samples per task for mean@k (1 = greedy pass@1 only).")

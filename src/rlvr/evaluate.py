@@ -55,11 +55,10 @@ def evaluate(
         "eval/errors": float(sum(not t.usable for t in trajectories)),
         "eval/n": float(len(tasks)),
     }
-    if any(t.info.get("tool_calls") or len(t.turns) > 1 for t in trajectories):
-        out["eval/tool_call_rate"] = statistics.fmean(
-            float(t.info.get("tool_calls", 0) > 0) for t in trajectories
-        )
-        out["eval/turns"] = statistics.fmean(len(t.turns) for t in trajectories)
+    out["eval/tool_call_rate"] = statistics.fmean(
+        float(t.info.get("tool_calls", 0) > 0) for t in trajectories
+    )
+    out["eval/turns"] = statistics.fmean(len(t.turns) for t in trajectories)
     if not greedy:
         out["eval/pass@k"] = statistics.fmean(
             float(any(t.rewards.get(metric, 0.0) >= 1.0 for t in g.trajectories)) for g in groups

@@ -34,9 +34,15 @@ def _load_from_run(run_dir: Path) -> tuple[Policy, RunConfig]:
 
 
 def run_eval(
-    model: str, *, task: str, n: int, k: int, max_new_tokens: int | None, temperature: float
+    model: str,
+    *,
+    task: str | None,
+    n: int,
+    k: int,
+    max_new_tokens: int | None,
+    temperature: float,
 ) -> dict[str, float]:
-    """Defaults (token limit, stop strings, metric) come from the run's config, as in training."""
+    """Defaults (token limit, stop strings, metric, rollout limits) come from the run's config."""
     path = Path(model)
     cfg: RunConfig
     if path.is_dir() and (path / "config.yaml").exists():
@@ -44,21 +50,30 @@ def run_eval(
     else:
         policy, cfg = load_policy(model), load_config(None)
     base_dir = None
-    if task.endswith((".yaml", ".yml")):
-        task_cfg = load_config(task)
-        base_dir = Path(task).parent
-        cfg = cfg.model_copy(
-            update={
-                "task": task_cfg.task,
-                "rewards": task_cfg.rewards,
-                "mixture": task_cfg.mixture,
-                "rollout": task_cfg.rollout,
-            }
-        )
-    elif task != "arithmetic" and task != cfg.task.source:
+    swap: RunConfig | None = None
+    if task is None:
+        pass
+    elif task.endswith((".yaml", ".yml")):
+        swap, base_dir = load_config(task), Path(task).parent
+    elif task == "arithmetic":
+        swap = load_config(None)
+    elif task.startswith("env:"):
+        swap = load_config(None, ["task.source=env", f"task.env.name={task[4:]}"])
+    else:
         raise ConfigError(
-            f"--task '{task}': expected 'arithmetic' or a config .yaml whose task section to use"
+            f"--task '{task}': expected arithmetic, env:NAME or a config .yaml whose tasks to use"
         )
+    if swap is not None:
+        update: dict[str, Any] = {
+            "task": swap.task,
+            "rewards": swap.rewards,
+            "mixture": swap.mixture,
+            # The run's accuracy metric names one of its own rewards; the new tasks bring theirs.
+            "eval": cfg.eval.model_copy(update={"metric": swap.eval.metric}),
+        }
+        if task is not None and task.endswith((".yaml", ".yml")):
+            update |= {"rollout": swap.rollout, "sampling": swap.sampling}
+        cfg = cfg.model_copy(update=update)
     limit = max_new_tokens or cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens
     sources = Sources(cfg, base_dir)
     generator = build_generator(policy, cfg)
@@ -77,7 +92,7 @@ def run_eval(
         if "eval/pass@k" in sampled:
             results[f"eval/pass@{k}"] = sampled["eval/pass@k"]
     n_tasks = sum(min(n, len(s.splits.heldout)) for s in sources)
-    table = Table(title=f"{model} on {task} held-out ({n_tasks} tasks)")
+    table = Table(title=f"{model} on {task or 'its tasks'} held-out ({n_tasks} tasks)")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("pass@1 (greedy)", f"{results['eval/accuracy']:.1%}")

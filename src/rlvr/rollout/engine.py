@@ -229,7 +229,9 @@ def run_episodes(
 
 def _trajectory(ep: _Episode, scoring: Scoring) -> Trajectory:
     """Score a finished episode: env parts summed over turns + rubric components."""
-    parts: dict[str, float] = {}
+    # Declared parts an episode never earned (cut before its final answer) count 0, so per-component
+    # means are over every episode, not only the ones that got that far.
+    parts: dict[str, float] = dict.fromkeys(scoring.env_weights, 0.0)
     for turn in ep.turn_parts:
         for name, value in turn.items():
             parts[name] = parts.get(name, 0.0) + value
