@@ -1,6 +1,7 @@
 """A multi-turn env a random tiny model can learn in seconds, written as a user would write one.
 
-Each turn the user asks for digits; the reply's share of digit characters is that turn's reward.
+Each turn the user asks for digits; the reply's share of digit characters, divided by the number of
+turns, is that turn's reward, so an episode's reward is in [0, 1].
 Used by examples/tiny_multiturn.yaml (`task.env.name: tiny_envs.py:DigitsFamily`) and by the CI
 multi-turn learning test: observations ("Again, ...") sit between the turns and get no gradient.
 """
@@ -28,7 +29,7 @@ class DigitsEnv(Env):
     def step(self, assistant_text: str) -> EnvStep:
         return EnvStep(
             messages=[{"role": "user", "content": "Again, digits only."}],
-            rewards={"digits": digit_fraction(assistant_text)},
+            rewards={"digits": digit_fraction(assistant_text) / self.max_turns},
         )
 
 

@@ -63,7 +63,7 @@ def test_a_user_env_family_loads_from_a_file() -> None:
     assert isinstance(family, EnvFamily)
     env = family.make(family.generate(3))
     step = env.step("12ab")
-    assert step.rewards == {"digits": 0.5} and not step.done
+    assert step.rewards == {"digits": 0.5 / 3} and not step.done
     with pytest.raises(ConfigError, match="not an EnvFamily"):
         get_env_family(f"{EXAMPLES / 'tiny_envs.py'}:digit_fraction")
 

@@ -262,8 +262,9 @@ def test_multi_turn_grpo_learns_the_tiny_dialogue(tiny_model_dir: Path, tmp_path
     assert "tools/call_frequency" in steps[0]
     first = sum(m["reward"] for m in steps[:5]) / 5
     last = sum(m["reward"] for m in steps[-5:]) / 5
-    assert last > first + 0.5, (first, last)  # reward sums 3 turns: up to 3.0
+    assert first < 0.3
+    assert last > first + 0.3, (first, last)
     before, after = summary.eval_history[0][1], summary.eval_history[-1][1]
-    assert after["eval/accuracy"] > before["eval/accuracy"] + 0.5
+    assert after["eval/accuracy"] > before["eval/accuracy"] + 0.3
     # Token-level trajectories were saved for `rlvr inspect`.
     assert (summary.run_dir / "trajectories" / f"step_{cfg.train.steps:06d}.jsonl").is_file()
