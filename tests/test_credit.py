@@ -1,5 +1,5 @@
 """Hand-worked tests for multi-turn credit (rlvr.algorithms.credit), group filtering
-(rlvr.algorithms.filtering) and the loop's dynamic sampling (rlvr.train.loop.collect_groups).
+(rlvr.algorithms.filtering) and the loop's dynamic sampling (rlvr.train.selection.collect_groups).
 
 Every expected number is worked out by hand in the comment next to it.
 """
@@ -15,7 +15,7 @@ from rlvr.algorithms.credit import discounted_returns, token_advantages, turn_ad
 from rlvr.algorithms.filtering import select_groups
 from rlvr.config import RunConfig, load_config
 from rlvr.records import Group, Span, Task, Trajectory
-from rlvr.train.loop import assign_credit, collect_groups
+from rlvr.train.selection import assign_credit, collect_groups
 
 
 def approx(values: Sequence[float], tol: float = 1e-9) -> object:

@@ -11,6 +11,7 @@ import torch
 
 from rlvr.config import ModelConfig, RewardSpec, RunConfig
 from rlvr.models import LoraSettings, Policy, eos_token_ids, load_policy
+from rlvr.rollout.engine import RolloutLimits
 from rlvr.rollout.hf import HFGenerator
 from rlvr.verifiers import RewardFunction, Rubric, resolve_reward_fn
 
@@ -92,3 +93,16 @@ def build_optimizer(policy: Policy, cfg: RunConfig) -> tuple[torch.optim.Optimiz
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     return optimizer, scheduler
+
+
+def rollout_limits(cfg: RunConfig) -> RolloutLimits:
+    r = cfg.rollout
+    return RolloutLimits(
+        max_turns=r.max_turns,
+        # Never below one full turn: a single-turn run keeps sampling.max_new_tokens as its limit.
+        max_total_tokens=max(r.max_total_tokens, cfg.sampling.max_new_tokens),
+        max_observation_tokens=r.max_observation_tokens,
+        observation_truncation=r.observation_truncation,
+        tool_timeout_s=r.tool_timeout_s,
+        max_tool_calls_per_turn=r.max_tool_calls_per_turn,
+    )

@@ -9,13 +9,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from rlvr.build import build_generator
+from rlvr.build import build_generator, rollout_limits
 from rlvr.config import RunConfig, load_config
 from rlvr.errors import ConfigError
 from rlvr.evaluate import evaluate_sources
 from rlvr.models import Policy, load_policy, load_tokenizer
 from rlvr.train.checkpoint import latest_checkpoint
-from rlvr.train.loop import rollout_limits
 from rlvr.train.sources import Sources
 
 

@@ -36,16 +36,12 @@ import torch
 import yaml
 
 from rlvr.algorithms import (
-    ADVANTAGE_ESTIMATORS,
     ALGORITHMS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
     aggregate,
-    group_reward_std,
 )
-from rlvr.algorithms.credit import token_advantages, turn_advantages
-from rlvr.algorithms.filtering import select_groups
-from rlvr.build import build_generator, build_optimizer, build_policy, use_bf16
+from rlvr.build import build_generator, build_optimizer, build_policy, rollout_limits, use_bf16
 from rlvr.config import RewardSpec, RunConfig, TaskConfig, config_to_dict, load_config
 from rlvr.errors import RewardError
 from rlvr.evaluate import evaluate_sources
@@ -55,7 +51,7 @@ from rlvr.observe.metrics import agent_metrics, rollout_metrics, rollout_rows, s
 from rlvr.observe.progress import Progress
 from rlvr.observe.tracking import Tracker
 from rlvr.records import Group, Task, Trajectory, flatten
-from rlvr.rollout.engine import RolloutLimits, rollout_groups
+from rlvr.rollout.engine import rollout_groups
 from rlvr.rollout.generator import SamplingParams
 from rlvr.tasks import TaskSplits
 from rlvr.train.batch import TrainBatch, collate, token_logprobs
@@ -65,6 +61,7 @@ from rlvr.train.checkpoint import (
     load_weights_into,
     save_checkpoint,
 )
+from rlvr.train.selection import assign_credit, collect_groups
 from rlvr.train.sources import Sources
 
 
@@ -407,94 +404,6 @@ def train(
         tracker.close()
     summary.wall_seconds = time.time() - started
     return summary
-
-
-def rollout_limits(cfg: RunConfig) -> RolloutLimits:
-    r = cfg.rollout
-    return RolloutLimits(
-        max_turns=r.max_turns,
-        # Never below one full turn: a single-turn run keeps sampling.max_new_tokens as its limit.
-        max_total_tokens=max(r.max_total_tokens, cfg.sampling.max_new_tokens),
-        max_observation_tokens=r.max_observation_tokens,
-        observation_truncation=r.observation_truncation,
-        tool_timeout_s=r.tool_timeout_s,
-        max_tool_calls_per_turn=r.max_tool_calls_per_turn,
-    )
-
-
-def collect_groups(
-    cfg: RunConfig, sample_round: Callable[[], list[Group]]
-) -> tuple[list[Group], list[Group], dict[str, float]]:
-    """Sample rounds of groups and keep those the filter selects; returns (sampled, kept, metrics).
-
-    Without dynamic sampling one round is drawn and filtered. With it (DAPO), rounds continue until
-    prompts_per_step groups were kept or max_sampling_rounds is reached; at most prompts_per_step
-    groups are kept. Metrics describe every sampled group, so the filter cannot hide a collapse.
-    """
-    f, group_size = cfg.filter, cfg.sampling.group_size
-    sampled: list[Group] = []
-    kept: list[Group] = []
-    rounds = 0
-    while True:
-        rounds += 1
-        groups = sample_round()
-        sampled.extend(groups)
-        trajs = flatten(groups)
-        std_P = group_reward_std(
-            torch.tensor([t.reward for t in trajs]),
-            torch.tensor([t.usable for t in trajs]),
-            group_size,
-        ).tolist()
-        keep = select_groups(std_P, f.group_filter, f.top_p, f.top_k_fraction, f.drop_zero_std)
-        kept.extend(groups[i] for i in keep)
-        if not f.dynamic_sampling or len(kept) >= cfg.sampling.prompts_per_step:
-            break
-        if rounds >= f.max_sampling_rounds:
-            break
-    if f.dynamic_sampling:
-        kept = kept[: cfg.sampling.prompts_per_step]
-    all_trajs = flatten(sampled)
-    std_all = group_reward_std(
-        torch.tensor([t.reward for t in all_trajs]),
-        torch.tensor([t.usable for t in all_trajs]),
-        group_size,
-    )
-    metrics = {
-        "rollout/in_group_std": float(std_all.mean()),
-        "rollout/filter_kept_ratio": len(kept) / len(sampled),
-        "rollout/sampling_rounds": float(rounds),
-    }
-    return sampled, kept, metrics
-
-
-def assign_credit(
-    trajectories: Sequence[Trajectory], cfg: RunConfig, estimator: str
-) -> list[list[float]]:
-    """Per-token advantages for each trajectory (completion tokens), as `objective.credit` says."""
-    if not trajectories:
-        return []
-    obj, group_size = cfg.objective, cfg.sampling.group_size
-    rewards_B = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-    valid_B = torch.tensor([t.usable for t in trajectories])
-    advantages_B = ADVANTAGE_ESTIMATORS[estimator](
-        rewards_B, valid_B, group_size, scale_rewards=obj.scale_rewards
-    ).tolist()
-    if obj.credit == "trajectory":
-        return [
-            token_advantages(t, a, None) for t, a in zip(trajectories, advantages_B, strict=True)
-        ]
-    per_turn = turn_advantages(
-        [list(t.turn_rewards) for t in trajectories],
-        valid_B.tolist(),
-        group_size,
-        gamma=obj.gamma,
-        scale=obj.scale_rewards,
-    )
-    outcome = advantages_B if obj.credit == "bi-level" else [0.0] * len(trajectories)
-    return [
-        token_advantages(t, a, turns, obj.turn_weight if obj.credit == "bi-level" else 1.0)
-        for t, a, turns in zip(trajectories, outcome, per_turn, strict=True)
-    ]
 
 
 def absolutize_reward_files(cfg: RunConfig, config_dir: Path | None) -> RunConfig:
