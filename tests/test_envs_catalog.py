@@ -125,3 +125,23 @@ def test_train_tasks_override_is_single_source_only() -> None:
     with pytest.raises(ConfigError, match="not a mixture"):
         Sources(cfg, EXAMPLES, tasks=splits)
     assert TaskSampler(splits.train, seed=0).next_batch(1)[0].id == "a"
+
+
+def test_a_saved_mixture_config_loads_back(tmp_path: Path) -> None:
+    """The run directory's config.yaml is what --resume and `rlvr eval RUN_DIR` read."""
+    import yaml
+
+    from rlvr.config import config_to_dict
+
+    cfg = load_config(EXAMPLES / "mixture.yaml")
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    assert load_config(saved) == cfg
+
+
+def test_filter_and_env_config_combinations_are_checked() -> None:
+    with pytest.raises(ConfigError, match="dynamic_sampling needs something to filter"):
+        load_config(None, ["filter.dynamic_sampling=true"])
+    assert load_config(None, ["filter.dynamic_sampling=true", "filter.drop_zero_std=true"])
+    with pytest.raises(ConfigError, match="system_prompt is not used by an env"):
+        load_config(None, ["task.source=env", "task.env.name=bandit", "task.system_prompt=hi"])

@@ -446,7 +446,7 @@ def test_shared_prefix_groups_split_consecutive_runs() -> None:
     prompts = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 9], [7, 7], [7, 7, 8]]
     # The first three share [1, 2]; [7, 7] and [7, 7, 8] share [7, 7] but [7, 7] needs one own token.
     assert shared_prefix_groups(prompts, 2) == [(2, [0, 1, 2]), (1, [3, 4])]
-    assert shared_prefix_groups(prompts, 3) == [(3, [0, 1]), (0, [2]), (0, [3]), (0, [4])]
+    assert shared_prefix_groups(prompts, 3) == [(3, [0, 1]), (2, [2]), (1, [3]), (2, [4])]
 
 
 def test_shared_prefix_prefill_samples_what_the_plain_prefill_samples(tiny_model_dir: Path) -> None:

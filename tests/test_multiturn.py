@@ -718,3 +718,55 @@ def test_observation_logprobs_do_not_reach_the_shared_prefix_loss(
     obs = batch.mask_B_C == 0
     assert (grad[obs] == 0.0).all()
     assert torch.equal(grad[~obs], torch.full_like(grad[~obs], -0.5))
+
+
+# ------------------------------------------------------------------------- odd output never crashes
+def test_a_lone_surrogate_echoed_by_a_tool_does_not_crash_the_rollout() -> None:
+    """`\\ud800` in JSON decodes to a lone surrogate, which the tokenizer cannot encode as is."""
+    weird = '<tool_call>{"name": "a\\ud800b", "arguments": {}}</tool_call>'
+    [[traj]], _ = play(by_turn(weird, ANSWER))
+    assert traj.finish_reason == "stop" and traj.usable
+    observation = traj.messages[1]["content"]
+    assert observation.startswith("Error: unknown tool") and "\ud800" not in observation
+
+
+def test_absurd_tool_call_json_is_a_malformed_call() -> None:
+    deep = "<tool_call>" + "[" * 100_000 + "</tool_call>"
+    huge = '<tool_call>{"name": "add", "arguments": {"a": ' + "9" * 5000 + "}}</tool_call>"
+    for text in (deep, huge):
+        [[traj]], _ = play(by_turn(text, ANSWER))
+        assert traj.info["tool_errors/malformed"] == 1.0 and traj.usable
+
+
+class NoneRewardEnv(AddEnv):
+    def finish(self, assistant_text: str) -> EnvStep:
+        return EnvStep(rewards={"success": None}, done=True)  # type: ignore[dict-item]
+
+
+def test_an_env_reward_that_is_not_a_number_is_an_env_error() -> None:
+    [[traj]], _ = play(by_turn(ANSWER), make_env=NoneRewardEnv)
+    assert traj.finish_reason == "error" and traj.reward_errors == ("env",)
+    assert "expected a number" in traj.info["reward_errors"]["env"]
+    assert len(traj.turn_rewards) == len(traj.turns)
+
+
+# A Qwen3-style template: the last assistant message gets an empty think block, earlier ones do not.
+QWEN3_LIKE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' and loop.last %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_templates_that_render_the_last_assistant_turn_differently_still_give_exact_glue() -> None:
+    tok = make_tokenizer()
+    tok.chat_template = QWEN3_LIKE
+    [[traj]], _ = play(by_turn(CALL_ADD, ANSWER), tok=tok)
+    text = tok.decode(list(traj.token_ids))
+    assert "<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n" + ANSWER in text
+    assert traj.rewards["success"] == 1.0

@@ -92,6 +92,10 @@ class TaskConfig(_Section):
             )
         if self.source == "env" and self.env is None:
             raise ValueError("task.source is 'env' but task.env is missing (needs at least name)")
+        if self.source == "env" and self.system_prompt is not None:
+            raise ValueError(
+                "task.system_prompt is not used by an env (the env writes its prompts)"
+            )
         return self
 
 
@@ -302,6 +306,12 @@ class RunConfig(_Section):
                     f"{'mixture ' + c.name + ': ' if self.mixture else ''}rewards is empty; "
                     "a task without an env needs at least one reward function"
                 )
+        f = self.filter
+        if f.dynamic_sampling and f.group_filter == "none" and not f.drop_zero_std:
+            raise ValueError(
+                "filter.dynamic_sampling needs something to filter: set filter.drop_zero_std "
+                "or filter.group_filter"
+            )
         if self.mixture:
             if {"task", "rewards"} & self.model_fields_set:
                 raise ValueError("give either mixture or task/rewards, not both")
@@ -389,4 +399,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
-    return cfg.model_dump(mode="json")
+    """The config as plain data that `load_config` reads back (a mixture omits task/rewards)."""
+    data = cfg.model_dump(mode="json")
+    if cfg.mixture:
+        data.pop("task", None)
+        data.pop("rewards", None)
+    return data

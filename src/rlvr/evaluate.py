@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,9 @@ def evaluate(
     sampling = SamplingParams(
         n=k, temperature=0.0 if greedy else temperature, max_new_tokens=max_new_tokens, stop=stop
     )
+    if limits is not None and limits.max_total_tokens < max_new_tokens:
+        # Eval may allow longer answers than training did; never cap it at the training budget.
+        limits = dataclasses.replace(limits, max_total_tokens=max_new_tokens)
     groups = rollout_groups(
         tasks, make_env or SingleTurnEnv, generator, tokenizer, sampling, scoring, limits
     )

@@ -78,12 +78,15 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         except json.JSONDecodeError as err:
             calls.append(ToolCall("", {}, f"malformed: tool call is not valid JSON ({err.msg})"))
             continue
+        except (ValueError, RecursionError):  # absurd nesting or integer sizes from the model
+            calls.append(ToolCall("", {}, "malformed: tool call JSON is too deep or too large"))
+            continue
         if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
             calls.append(ToolCall("", {}, 'malformed: expected {"name": ..., "arguments": {...}}'))
             continue
         arguments = payload.get("arguments", payload.get("parameters", {}))
         if isinstance(arguments, str):  # some models emit the arguments as a JSON string
-            with contextlib.suppress(json.JSONDecodeError):
+            with contextlib.suppress(ValueError, RecursionError):
                 arguments = json.loads(arguments)
         if not isinstance(arguments, dict):
             calls.append(
@@ -143,7 +146,8 @@ def run_tool(tool: Tool, arguments: dict[str, Any], timeout_s: float) -> ToolRes
 
     def target() -> None:
         try:
-            box["value"] = tool.fn(**arguments)
+            value = tool.fn(**arguments)
+            box["value"] = value if isinstance(value, str) else json.dumps(value, default=str)
         except Exception as exc:  # the tool's failure is the model's observation, not our crash
             box["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -156,9 +160,7 @@ def run_tool(tool: Tool, arguments: dict[str, Any], timeout_s: float) -> ToolRes
         )
     if "error" in box:
         return ToolResult(tool.name, f"Error: {box['error']}"[:_MAX_RESULT_CHARS], "raised")
-    value = box.get("value")
-    content = value if isinstance(value, str) else json.dumps(value, default=str)
-    return ToolResult(tool.name, content[:_MAX_RESULT_CHARS])
+    return ToolResult(tool.name, str(box.get("value", ""))[:_MAX_RESULT_CHARS])
 
 
 def execute_calls(

@@ -23,6 +23,7 @@ prefill is a small part of a turn's cost. Noted as a known cost in NOTES.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,7 +161,10 @@ def _append_observation(
     """Append the observation's tokens; False when they do not fit the token budget."""
     messages = []
     for m in step.messages:
-        content = str(m.get("content", ""))
+        content = m.get("content")
+        # Whatever a tool echoed (lone surrogates included) must survive the tokenizer.
+        content = "" if content is None else str(content)
+        content = content.encode("utf-8", "replace").decode("utf-8")
         content = truncate_text(
             tokenizer, content, limits.max_observation_tokens, limits.observation_truncation
         )
@@ -174,6 +178,33 @@ def _append_observation(
     ep.logprobs.extend([0.0] * len(ids))
     ep.messages.extend(messages)
     return True
+
+
+def _advance(
+    ep: _Episode, text: str, cut: bool, eos_text: str, tokenizer: Any, limits: RolloutLimits
+) -> None:
+    """Step the env with one assistant turn; record its reward parts; append the observation or
+    end the episode. Anything raised here is the env's failure (the caller records it)."""
+    step = ep.env.step(text)
+    parts = {}
+    for name, value in step.rewards.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"reward part {name!r} is {type(value).__name__}, expected a number")
+        if not math.isfinite(value):
+            raise ValueError(f"reward part {name!r} is {value}")
+        parts[name] = float(value)
+    ep.turn_parts.append(parts)
+    for key, value in step.info.items():
+        if isinstance(value, (int, float)):
+            ep.info[key] = ep.info.get(key, 0.0) + float(value)
+    if step.done:
+        ep.finish = "length" if cut else "stop"
+    elif ep.used >= limits.max_total_tokens:
+        ep.finish = "length"
+    elif len(ep.turns) >= ep.max_turns:
+        ep.finish = "max_turns"
+    elif not _append_observation(ep, step, tokenizer, limits, eos_text):
+        ep.finish = "length"
 
 
 def run_episodes(
@@ -203,27 +234,14 @@ def run_episodes(
             text = str(tokenizer.decode(sampled, skip_special_tokens=True))
             ep.last_text = text
             ep.messages.append({"role": "assistant", "content": text})
+            eos_text = "" if not sampled or cut else _special_text(tokenizer, sampled[-1])
             try:
-                step = ep.env.step(text)
+                _advance(ep, text, cut, eos_text, tokenizer, limits)
             except Exception as exc:  # a broken env is reported, never turned into a reward
                 ep.error = f"{type(exc).__name__}: {exc}"[:500]
-                ep.turn_parts.append({})
+                if len(ep.turn_parts) < len(ep.turns):  # one entry per turn, for turn credit
+                    ep.turn_parts.append({})
                 ep.finish = "error"
-                continue
-            ep.turn_parts.append({k: float(v) for k, v in step.rewards.items()})
-            for key, value in step.info.items():
-                if isinstance(value, (int, float)):
-                    ep.info[key] = ep.info.get(key, 0.0) + float(value)
-            if step.done:
-                ep.finish = "length" if cut else "stop"
-            elif ep.used >= limits.max_total_tokens:
-                ep.finish = "length"
-            elif len(ep.turns) >= ep.max_turns:
-                ep.finish = "max_turns"
-            else:
-                eos_text = "" if not sampled or cut else _special_text(tokenizer, sampled[-1])
-                if not _append_observation(ep, step, tokenizer, limits, eos_text):
-                    ep.finish = "length"
     return episodes
 
 

@@ -52,7 +52,8 @@ def shared_prefix_groups(
     """Split prompts into runs of consecutive prompts sharing a prefix of >= min_shared tokens.
 
     Returns [(prefix_length, member indices)] in order; prefix_length leaves every member at least
-    one token of its own (the one whose logits start sampling). A run of one has prefix_length 0.
+    one token of its own (the one whose logits start sampling); a run of one gets its prompt minus
+    the last token.
     """
     runs: list[tuple[int, list[int]]] = []  # (common prefix length so far, members)
     for i, prompt in enumerate(prompts):
@@ -67,10 +68,9 @@ def shared_prefix_groups(
                 runs[-1] = (common, [*members, i])
                 continue
         runs.append((len(prompt), [i]))
+    # Every member keeps >= 1 token of its own; a lone prompt's "prefix" is all but its last token.
     return [
         (min(length, min(len(prompts[m]) for m in members) - 1), members)
-        if len(members) > 1
-        else (0, members)
         for length, members in runs
     ]
 
@@ -256,7 +256,8 @@ class HFGenerator:
                 use_cache=True,
                 logits_to_keep=1,
             )
-        return out.logits[:, -1, :], mask_P_L, positions_P_L[:, -1] + 1
+        # Next position = real tokens so far (also right for an all-padding row: 0).
+        return out.logits[:, -1, :], mask_P_L, mask_P_L.sum(dim=1)
 
     def _hit_stop(self, row_tokens: list[int], stops: tuple[str, ...]) -> bool:
         # Decode the whole row (microseconds at these lengths): a tail of a few tokens can miss a stop
