@@ -2,6 +2,7 @@
 
 from rlvr.envs.base import (
     ENV_FAMILIES,
+    AnswerWithFeedbackEnv,
     Env,
     EnvFamily,
     EnvOptions,
@@ -16,6 +17,7 @@ from rlvr.envs.base import (
 
 __all__ = [
     "ENV_FAMILIES",
+    "AnswerWithFeedbackEnv",
     "Env",
     "EnvFamily",
     "EnvOptions",

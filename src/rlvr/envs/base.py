@@ -198,3 +198,43 @@ class SingleTurnEnv(Env):
 
     def step(self, assistant_text: str) -> EnvStep:
         return EnvStep(done=True)
+
+
+class AnswerWithFeedbackEnv(Env):
+    """Puzzles answered whole (Countdown, Sudoku): each turn is an answer; a wrong one gets feedback
+    and another try, up to `max_turns`. Subclasses set `self.task` and implement `check`.
+
+    Reward parts per turn: `success` (1.0 on the solving turn) and `format` (1.0 the first time a
+    well-formed answer is given: paid once per episode, so missing on purpose before the right
+    answer earns nothing extra).
+    """
+
+    max_turns: ClassVar[int] = 2
+    task: Task
+
+    def __init__(self) -> None:
+        self.turns = 0
+        self.format_paid = False
+        self.done = False
+
+    @abstractmethod
+    def check(self, assistant_text: str) -> tuple[bool, bool, str]:
+        """(well formed, solved, feedback for a wrong answer) for one answer."""
+
+    def reset(self) -> EnvReset:
+        return EnvReset(messages=[dict(m) for m in self.task.messages])
+
+    def step(self, assistant_text: str) -> EnvStep:
+        if self.done:
+            raise RuntimeError("step() called after the episode ended")
+        self.turns += 1
+        parsed, solved, feedback = self.check(assistant_text)
+        fmt = 1.0 if parsed and not self.format_paid else 0.0
+        self.format_paid = self.format_paid or parsed
+        rewards = {"success": 1.0 if solved else 0.0, "format": fmt}
+        info = {"turn": self.turns, "parsed": parsed}
+        if solved:
+            self.done = True
+            return EnvStep(rewards=rewards, done=True, info=info)
+        observation: list[Message] = [{"role": "user", "content": f"{feedback} Try again."}]
+        return EnvStep(messages=observation, rewards=rewards, done=False, info=info)

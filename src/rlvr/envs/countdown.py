@@ -25,7 +25,13 @@ from typing import Any, ClassVar
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from rlvr.envs.base import Env, EnvFamily, EnvOptions, EnvReset, EnvStep, Message, register_env
+from rlvr.envs.base import (
+    AnswerWithFeedbackEnv,
+    Env,
+    EnvFamily,
+    EnvOptions,
+    register_env,
+)
 from rlvr.errors import ConfigError
 from rlvr.records import Task
 from rlvr.verifiers.builtin import extract_tagged
@@ -203,19 +209,12 @@ def make_task(numbers: list[int], target: int, use_all: bool = True, solution: s
     return Task(id=key, messages=messages, fields=fields)
 
 
-class CountdownEnv(Env):
+class CountdownEnv(AnswerWithFeedbackEnv):
     """One Countdown episode: answer, get feedback on a wrong answer, answer again."""
-
-    max_turns: ClassVar[int] = 2
 
     def __init__(self, task: Task, numbers: list[int], target: int, use_all: bool) -> None:
         self.task, self.numbers, self.target, self.use_all = task, numbers, target, use_all
-        self.turns = 0
-        self.format_paid = False
-        self.done = False
-
-    def reset(self) -> EnvReset:
-        return EnvReset(messages=[dict(m) for m in self.task.messages])
+        super().__init__()
 
     def check(self, assistant_text: str) -> tuple[bool, bool, str]:
         """(parsed, solved, feedback) for one answer."""
@@ -232,19 +231,3 @@ class CountdownEnv(Env):
         if value != self.target:
             return True, False, f"Your expression equals {value}, not {self.target}."
         return True, True, ""
-
-    def step(self, assistant_text: str) -> EnvStep:
-        if self.done:
-            raise RuntimeError("step() called after the episode ended")
-        self.turns += 1
-        parsed, solved, feedback = self.check(assistant_text)
-        # Format is paid once per episode, so a deliberate miss before the right answer earns nothing.
-        fmt = 1.0 if parsed and not self.format_paid else 0.0
-        self.format_paid = self.format_paid or parsed
-        rewards = {"success": 1.0 if solved else 0.0, "format": fmt}
-        info = {"turn": self.turns, "parsed": parsed}
-        if solved:
-            self.done = True
-            return EnvStep(rewards=rewards, done=True, info=info)
-        observation: list[Message] = [{"role": "user", "content": f"{feedback} Try again."}]
-        return EnvStep(messages=observation, rewards=rewards, done=False, info=info)

@@ -23,7 +23,13 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from rlvr.envs.base import Env, EnvFamily, EnvOptions, EnvReset, EnvStep, Message, register_env
+from rlvr.envs.base import (
+    AnswerWithFeedbackEnv,
+    Env,
+    EnvFamily,
+    EnvOptions,
+    register_env,
+)
 from rlvr.errors import ConfigError
 from rlvr.records import Task
 from rlvr.verifiers.builtin import extract_tagged
@@ -172,19 +178,12 @@ def make_task(puzzle: Grid, solution: Grid | None = None) -> Task:
     return Task(id=f"sudoku:{flat}", messages=messages, fields=fields)
 
 
-class SudokuEnv(Env):
+class SudokuEnv(AnswerWithFeedbackEnv):
     """One Sudoku episode: answer, get feedback on a wrong grid, answer again."""
-
-    max_turns: ClassVar[int] = 2
 
     def __init__(self, task: Task, puzzle: Grid) -> None:
         self.task, self.puzzle = task, puzzle
-        self.turns = 0
-        self.format_paid = False
-        self.done = False
-
-    def reset(self) -> EnvReset:
-        return EnvReset(messages=[dict(m) for m in self.task.messages])
+        super().__init__()
 
     def check(self, assistant_text: str) -> tuple[bool, bool, str]:
         """(parsed, solved, feedback) for one answer."""
@@ -200,19 +199,3 @@ class SudokuEnv(Env):
             return False, False, f"Wrong shape: give 4 lines of 4 digits (found {found} digits)."
         problems = grid_problems(grid, self.puzzle)
         return True, not problems, " ".join(problems[:2])
-
-    def step(self, assistant_text: str) -> EnvStep:
-        if self.done:
-            raise RuntimeError("step() called after the episode ended")
-        self.turns += 1
-        parsed, solved, feedback = self.check(assistant_text)
-        # Format is paid once per episode, so a deliberate miss before the right answer earns nothing.
-        fmt = 1.0 if parsed and not self.format_paid else 0.0
-        self.format_paid = self.format_paid or parsed
-        rewards = {"success": 1.0 if solved else 0.0, "format": fmt}
-        info = {"turn": self.turns, "parsed": parsed}
-        if solved:
-            self.done = True
-            return EnvStep(rewards=rewards, done=True, info=info)
-        observation: list[Message] = [{"role": "user", "content": f"{feedback} Try again."}]
-        return EnvStep(messages=observation, rewards=rewards, done=False, info=info)

@@ -215,30 +215,22 @@ class HFGenerator:
         cache.batch_select_indices(index)
         suffixes = [list(prompts[i][length:]) for length, members in groups for i in members]
         # Suffixes left-padded after their prefix: the padding sits in the middle, masked out.
-        width = max(len(x) for x in suffixes)
-        ids_P_S = torch.full((len(suffixes), width), self.pad_token_id, dtype=torch.long)
-        mask_P_S = torch.zeros((len(suffixes), width), dtype=torch.long)
-        for i, suffix in enumerate(suffixes):
-            ids_P_S[i, width - len(suffix) :] = torch.tensor(suffix, dtype=torch.long)
-            mask_P_S[i, width - len(suffix) :] = 1
-        mask_P_L = torch.cat([prefix_mask_Q_L.index_select(0, index), mask_P_S], dim=1)
-        positions_P_S = prefix_next_Q.index_select(0, index)[:, None] + (
-            mask_P_S.cumsum(dim=1) - 1
-        ).clamp(min=0)
-        with self._autocast():
-            out = self.model(
-                input_ids=ids_P_S,
-                attention_mask=mask_P_L,
-                position_ids=positions_P_S,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        return out.logits[:, -1, :], mask_P_L, positions_P_S[:, -1] + 1
+        return self._prefill_plain(
+            suffixes,
+            cache,
+            past_mask=prefix_mask_Q_L.index_select(0, index),
+            past_length=prefix_next_Q.index_select(0, index),
+        )
 
     def _prefill_plain(
-        self, prompts: Sequence[Sequence[int]], cache: DynamicCache
+        self,
+        prompts: Sequence[Sequence[int]],
+        cache: DynamicCache,
+        past_mask: torch.Tensor | None = None,
+        past_length: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-pad and run `prompts` (continuing rows already in `cache` when `past_mask`, (P, Lc),
+        and `past_length`, (P,) real tokens so far, are given)."""
         # Left padding, so the newest token of every row sits in the last column.
         max_len = max(len(p) for p in prompts)
         input_ids_P_L = torch.full((len(prompts), max_len), self.pad_token_id, dtype=torch.long)
@@ -247,17 +239,22 @@ class HFGenerator:
             input_ids_P_L[i, max_len - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
             mask_P_L[i, max_len - len(prompt) :] = 1
         positions_P_L = (mask_P_L.cumsum(dim=1) - 1).clamp(min=0)
+        attention_P_L = mask_P_L
+        next_P = mask_P_L.sum(dim=1)  # real tokens so far (also right for an all-padding row: 0)
+        if past_mask is not None and past_length is not None:
+            attention_P_L = torch.cat([past_mask, mask_P_L], dim=1)
+            positions_P_L = positions_P_L + past_length[:, None]
+            next_P = next_P + past_length
         with self._autocast():
             out = self.model(
                 input_ids=input_ids_P_L,
-                attention_mask=mask_P_L,
+                attention_mask=attention_P_L,
                 position_ids=positions_P_L,
                 cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
             )
-        # Next position = real tokens so far (also right for an all-padding row: 0).
-        return out.logits[:, -1, :], mask_P_L, mask_P_L.sum(dim=1)
+        return out.logits[:, -1, :], attention_P_L, next_P
 
     def _hit_stop(self, row_tokens: list[int], stops: tuple[str, ...]) -> bool:
         # Decode the whole row (microseconds at these lengths): a tail of a few tokens can miss a stop
