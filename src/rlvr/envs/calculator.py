@@ -15,6 +15,7 @@ result; weight 0: logged, not optimised, so the policy is paid for answers, not 
 from __future__ import annotations
 
 import ast
+import json
 import random
 from collections.abc import Callable
 from fractions import Fraction
@@ -88,17 +89,28 @@ SYSTEM_PROMPT = (
     "When you know the result, reply with <answer>NUMBER</answer>."
 )
 
+
 # A worked exchange placed before the question (option `demonstration`): a 135M model follows a
-# shown conversation far more readily than a described format.
+# shown conversation far more readily than a described format. Multi-operation problems get a
+# two-call demonstration, so chaining a tool result into the next call is shown too.
+def _call(expression: str) -> dict[str, str]:
+    arguments = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    return {"role": "assistant", "content": f"<tool_call>\n{arguments}\n</tool_call>"}
+
+
 DEMONSTRATION = (
     {"role": "user", "content": "A box has 12 rows of 14 eggs. How many eggs?"},
-    {
-        "role": "assistant",
-        "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 14"}}'
-        "\n</tool_call>",
-    },
+    _call("12 * 14"),
     {"role": "tool", "content": "168"},
     {"role": "assistant", "content": "<answer>168</answer>"},
+)
+DEMONSTRATION_CHAINED = (
+    {"role": "user", "content": "A box has 12 rows of 14 eggs and 20 break. How many are left?"},
+    _call("12 * 14"),
+    {"role": "tool", "content": "168"},
+    _call("168 - 20"),
+    {"role": "tool", "content": "148"},
+    {"role": "assistant", "content": "<answer>148</answer>"},
 )
 
 # (template, answer(a, b, c)); a, b two-digit, c three-digit. Each needs len(ops) exact operations.
@@ -203,7 +215,9 @@ class CalculatorFamily(EnvFamily):
             c = rng.randint(100, 999)
             answer = solve(a, b, c)
         question = template.format(a=a, b=b, c=c)
-        shown = DEMONSTRATION if options.demonstration else ()
+        shown: tuple[dict[str, str], ...] = ()
+        if options.demonstration:
+            shown = DEMONSTRATION if options.num_operations == 1 else DEMONSTRATION_CHAINED
         return Task(
             id=f"calculator:{question}",
             messages=(
