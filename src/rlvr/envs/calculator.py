@@ -15,7 +15,6 @@ result; weight 0: logged, not optimised, so the policy is paid for answers, not 
 from __future__ import annotations
 
 import ast
-import json
 import random
 from collections.abc import Callable
 from fractions import Fraction
@@ -89,28 +88,17 @@ SYSTEM_PROMPT = (
     "When you know the result, reply with <answer>NUMBER</answer>."
 )
 
-
 # A worked exchange placed before the question (option `demonstration`): a 135M model follows a
-# shown conversation far more readily than a described format. Multi-operation problems get a
-# two-call demonstration, so chaining a tool result into the next call is shown too.
-def _call(expression: str) -> dict[str, str]:
-    arguments = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
-    return {"role": "assistant", "content": f"<tool_call>\n{arguments}\n</tool_call>"}
-
-
+# shown conversation far more readily than a described format.
 DEMONSTRATION = (
     {"role": "user", "content": "A box has 12 rows of 14 eggs. How many eggs?"},
-    _call("12 * 14"),
+    {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 14"}}'
+        "\n</tool_call>",
+    },
     {"role": "tool", "content": "168"},
     {"role": "assistant", "content": "<answer>168</answer>"},
-)
-DEMONSTRATION_CHAINED = (
-    {"role": "user", "content": "A box has 12 rows of 14 eggs and 20 break. How many are left?"},
-    _call("12 * 14"),
-    {"role": "tool", "content": "168"},
-    _call("168 - 20"),
-    {"role": "tool", "content": "148"},
-    {"role": "assistant", "content": "<answer>148</answer>"},
 )
 
 # (template, answer(a, b, c)); a, b two-digit, c three-digit. Each needs len(ops) exact operations.
@@ -215,9 +203,7 @@ class CalculatorFamily(EnvFamily):
             c = rng.randint(100, 999)
             answer = solve(a, b, c)
         question = template.format(a=a, b=b, c=c)
-        shown: tuple[dict[str, str], ...] = ()
-        if options.demonstration:
-            shown = DEMONSTRATION if options.num_operations == 1 else DEMONSTRATION_CHAINED
+        shown = DEMONSTRATION if options.demonstration else ()
         return Task(
             id=f"calculator:{question}",
             messages=(
