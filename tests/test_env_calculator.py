@@ -76,11 +76,17 @@ def test_generated_problems_have_positive_integer_answers_from_their_numbers(ops
         assert task.id == f"calculator:{question}"
 
 
-def test_demonstration_matches_the_number_of_operations() -> None:
-    one = CalculatorFamily({"num_operations": 1}).generate(0).messages
-    two = CalculatorFamily({"num_operations": 2}).generate(0).messages
-    assert sum("<tool_call>" in m["content"] for m in one) == 1
-    assert sum("<tool_call>" in m["content"] for m in two) == 2
+def test_the_demonstration_is_a_worked_tool_call_exchange() -> None:
+    shown = CalculatorFamily({"num_operations": 2}).generate(0).messages
+    assert [m["role"] for m in shown] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+    ]
+    assert shown[3]["content"] == calculator("12 * 14")
     bare = CalculatorFamily({"demonstration": False}).generate(0).messages
     assert [m["role"] for m in bare] == ["system", "user"]
 
