@@ -268,3 +268,16 @@ def test_multi_turn_grpo_learns_the_tiny_dialogue(tiny_model_dir: Path, tmp_path
     assert after["eval/accuracy"] > before["eval/accuracy"] + 0.3
     # Token-level trajectories were saved for `rlvr inspect`.
     assert (summary.run_dir / "trajectories" / f"step_{cfg.train.steps:06d}.jsonl").is_file()
+
+
+def test_eval_command_on_a_built_in_env(tiny_model_dir: Path) -> None:
+    from rlvr.errors import ConfigError
+    from rlvr.evaluate_cli import run_eval
+
+    results = run_eval(
+        str(tiny_model_dir), task="env:bandit", n=3, k=1, max_new_tokens=8, temperature=1.0
+    )
+    assert results["eval/n"] == 3.0 and results["eval/turns"] == 1.0
+    assert results["eval/accuracy"] in (0.0, 1 / 3, 2 / 3, 1.0)
+    with pytest.raises(ConfigError, match="expected arithmetic, env:NAME"):
+        run_eval(str(tiny_model_dir), task="bandit", n=3, k=1, max_new_tokens=8, temperature=1.0)
