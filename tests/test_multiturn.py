@@ -770,3 +770,19 @@ def test_templates_that_render_the_last_assistant_turn_differently_still_give_ex
     text = tok.decode(list(traj.token_ids))
     assert "<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n" + ANSWER in text
     assert traj.rewards["success"] == 1.0
+
+
+class BrokenResetEnv(AddEnv):
+    def reset(self) -> EnvReset:
+        raise RuntimeError("no world today")
+
+
+def test_an_env_whose_reset_raises_is_an_env_error_not_a_crash() -> None:
+    [[bad], [good]], _ = play(
+        by_turn(ANSWER),
+        tasks=[task(task_id="bad"), task(task_id="good")],
+        make_env=lambda t: BrokenResetEnv(t) if t.id == "bad" else AddEnv(t),
+    )
+    assert bad.finish_reason == "error" and bad.reward_errors == ("env",) and not bad.turns
+    assert "reset failed: RuntimeError: no world today" in bad.info["reward_errors"]["env"]
+    assert good.finish_reason == "stop" and good.rewards["success"] == 1.0

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlvr.envs.base import Env, EnvStep
+from rlvr.envs.base import Env, EnvStep, SingleTurnEnv
 from rlvr.records import FinishReason, Group, Span, Task, Trajectory
 from rlvr.rollout.chat import (
     Truncation,
@@ -104,9 +104,15 @@ def _configure(env: Env, limits: RolloutLimits) -> None:
 
 
 def _start(task: Task, make_env: EnvFactory, tokenizer: Any, limits: RolloutLimits) -> _Episode:
-    env = make_env(task)
-    _configure(env, limits)
-    opening = env.reset()
+    try:
+        env = make_env(task)
+        _configure(env, limits)
+        opening = env.reset()
+    except Exception as exc:  # counted as an env error like a failing step, not a crash
+        ids = render_prompt_ids(tokenizer, [dict(m) for m in task.messages])
+        failed = _Episode(task, SingleTurnEnv(task), 1, [], ids, len(ids), finish="error")
+        failed.error = f"reset failed: {type(exc).__name__}: {exc}"[:500]
+        return failed
     ids = render_prompt_ids(tokenizer, opening.messages, opening.tools)
     return _Episode(
         task=task,
