@@ -1,0 +1,5 @@
+"""Running model-written code safely: `run_tests` (runner.py) with the in-sandbox harness (harness.py)."""
+
+from rlvr.sandbox.runner import SandboxLimits, SandboxResult, TestCase, capabilities, run_tests
+
+__all__ = ["SandboxLimits", "SandboxResult", "TestCase", "capabilities", "run_tests"]
