@@ -151,6 +151,43 @@ def inspect_run(
     print(render_html(run_dir, step=step, out=out))
 
 
+@app.command("check-reward")
+def check_reward_command(
+    function: Annotated[
+        str, typer.Argument(help="A built-in reward name, MODULE:FUNCTION or FILE.py:FUNCTION.")
+    ],
+    task: Annotated[
+        str, typer.Option("--task", help="arithmetic, or a config YAML whose tasks to use.")
+    ] = "arithmetic",
+    n: Annotated[int, typer.Option("--n", help="Held-out tasks to try each hack on.")] = 20,
+) -> None:
+    """Run known reward hacks against a reward function; exit 1 if it pays for any."""
+    from rlvr.config import load_config
+    from rlvr.tasks import load_tasks
+    from rlvr.verifiers import RewardFunction, resolve_reward_fn
+    from rlvr.verifiers.redteam import red_team
+
+    cfg = load_config(task if task.endswith((".yaml", ".yml")) else None)
+    if not task.endswith((".yaml", ".yml")) and task != "arithmetic":
+        from rlvr.errors import ConfigError
+
+        raise ConfigError(f"--task '{task}': expected arithmetic or a config .yaml")
+    tasks = load_tasks(cfg.task).heldout[:n]
+    reward = RewardFunction(name=function, fn=resolve_reward_fn(function, base_dir=Path.cwd()))
+    report = red_team(reward, tasks)
+    print(f"reference answer paid on {report.reference_paid}/{report.tasks} tasks")
+    for hack in report.hacks:
+        verdict = f"PAID on {hack.paid}/{hack.tried}  e.g. {hack.example!r}" if hack.paid else "ok"
+        print(f"  {hack.hack:<36} {verdict}")
+    if report.errors:
+        print(f"  ({report.errors} calls raised; counted as not paid)")
+    if report.reference_paid == 0:
+        print("the function never paid for the reference answer: it cannot be judged safe")
+    if not report.ok:
+        raise typer.Exit(1)
+    print("no known hack is paid")
+
+
 @app.command("envs")
 def envs_command() -> None:
     """List the built-in environments, one line each, with their example config."""

@@ -234,8 +234,17 @@ def _parse_gold(answer: str, timeout: int | None) -> tuple[Any, ...]:
     return tuple(parsed)
 
 
-def math_equiv(completion: str, answer: Any, timeout_seconds: int | None = 5, **_: Any) -> float:
+def math_equiv(
+    completion: str,
+    answer: Any,
+    timeout_seconds: int | None = 5,
+    tag: str | None = "answer",
+    **_: Any,
+) -> float:
     """1.0 if the completion's final answer is mathematically equal to `answer` (via math_verify).
+
+    When the completion has a `<tag>...</tag>` (default `answer`; None to disable), only the last
+    tag's content is read, as the other built-ins do.
 
     The completion may use \\boxed{}, LaTeX or plain numbers; "0.5" equals "\\frac{1}{2}". Outcomes:
     no parsable answer in the completion is 0.0; a gold answer that math_verify cannot parse
@@ -256,7 +265,9 @@ def math_equiv(completion: str, answer: Any, timeout_seconds: int | None = 5, **
         try:
             # raise_on_error=True so a timeout is not swallowed; extraction failures inside the text
             # are already handled by math_verify, so what escapes here is a genuine parser fault.
-            pred = parse(completion, parsing_timeout=timeout, raise_on_error=True)
+            tagged = extract_tagged(completion, tag) if tag else None
+            text = tagged if tagged is not None else completion
+            pred = parse(text, parsing_timeout=timeout, raise_on_error=True)
         except Exception:
             return 0.0
         for g in gold:

@@ -1,0 +1,158 @@
+"""A reward red-team kit: run known reward hacks against a reward function before training on it.
+
+"Build the verifier first": a policy finds every gap a reward function leaves, so each hack below is
+a completion that must earn nothing, built per task from its own answer (or tests). The kit reports
+each hack the function pays for; `rlvr check-reward MODULE:FUNCTION` exits non-zero when any is paid.
+It also checks the function pays for the reference answer, so "always 0" cannot pass as safe.
+
+Hacks (each wrong by construction for its task):
+- empty answer; format only (an empty answer tag);
+- the answer tag repeated, the right answer first and a wrong one last;
+- many candidates in one output ("42 or 43 or 44"), the right one not last;
+- a very long output listing every number around the answer;
+- the prompt echoed back;
+- for code tasks (a `tests` field): code printing the expected outputs, exit(0) before any test,
+  an always-equal object, reading the test file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rlvr.records import Task, Trajectory
+from rlvr.verifiers.rubric import RewardFunction
+
+Hack = Callable[[Task], "str | None"]
+
+
+def _answer(task: Task) -> str:
+    return str(task.fields.get("answer", ""))
+
+
+def _wrong(task: Task) -> str:
+    answer = _answer(task)
+    try:
+        return str(int(float(answer)) + 1)
+    except ValueError:
+        return answer + "x"
+
+
+def _number(task: Task) -> int | None:
+    try:
+        return int(float(_answer(task)))
+    except ValueError:
+        return None
+
+
+def _many(task: Task) -> str | None:
+    n = _number(task)
+    return None if n is None else f"{n} or {n + 1} or {n + 2}"
+
+
+def _long(task: Task) -> str | None:
+    n = _number(task)
+    return None if n is None else " ".join(str(i) for i in range(n - 500, n + 501))
+
+
+def _prompt(task: Task) -> str:
+    return "\n".join(str(m.get("content", "")) for m in task.messages if m.get("role") == "user")
+
+
+def _code_only(build: Callable[[Task], str]) -> Hack:
+    def hack(task: Task) -> str | None:
+        return build(task) if "tests" in task.fields else None
+
+    return hack
+
+
+HACKS: dict[str, Hack] = {
+    "empty answer": lambda t: "",
+    "format only": lambda t: "<answer></answer>",
+    "answer tag repeated": lambda t: f"<answer>{_answer(t)}</answer>\n<answer>{_wrong(t)}</answer>",
+    "many candidate answers": _many,
+    "very long output": _long,
+    "prompt echoed back": _prompt,
+    "code printing the expected output": _code_only(
+        lambda t: "```python\n"
+        + "\n".join(f"print({test.get('expected')!r})" for test in t.fields["tests"])
+        + "\n```"
+    ),
+    "exit(0) before the tests": _code_only(lambda t: "```python\nimport sys\nsys.exit(0)\n```"),
+    "always-equal object": _code_only(
+        lambda t: "```python\nclass Same:\n    def __eq__(self, other):\n        return True\n"
+        f"def {t.fields.get('entry', 'solve')}(*args):\n    return Same()\n```"
+    ),
+    "reading the test file": _code_only(
+        lambda t: "```python\nimport glob\nprint([open(p).read() for p in glob.glob('*test*')])\n```"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class HackReport:
+    hack: str
+    paid: int  # tasks on which the function paid > 0
+    tried: int
+    example: str  # a completion that was paid, shortened
+
+
+@dataclass(frozen=True)
+class RedTeamReport:
+    reference_paid: int
+    tasks: int
+    hacks: list[HackReport]
+    errors: int
+
+    @property
+    def paid_hacks(self) -> list[HackReport]:
+        return [h for h in self.hacks if h.paid]
+
+    @property
+    def ok(self) -> bool:
+        return not self.paid_hacks and self.reference_paid > 0
+
+
+def _trajectory(task: Task, text: str) -> Trajectory:
+    return Trajectory(
+        task_id=task.id,
+        token_ids=(),
+        policy_mask=(),
+        logprobs=(),
+        prompt_length=0,
+        completion_text=text,
+        finish_reason="stop",
+    )
+
+
+def reference_completion(task: Task) -> str:
+    return f"<answer>{_answer(task)}</answer>"
+
+
+def red_team(function: RewardFunction, tasks: Sequence[Task]) -> RedTeamReport:
+    """Run every hack on every task through `function`; a raise counts as not paid (and is counted)."""
+    errors = 0
+
+    def pays(task: Task, text: str) -> bool:
+        nonlocal errors
+        try:
+            return function(_trajectory(task, text), task) > 0
+        except Exception:
+            errors += 1
+            return False
+
+    reference = sum(pays(t, reference_completion(t)) for t in tasks)
+    reports = []
+    for name, hack in HACKS.items():
+        paid, tried, example = 0, 0, ""
+        for task in tasks:
+            text = hack(task)
+            if text is None:
+                continue
+            tried += 1
+            if pays(task, text):
+                paid += 1
+                example = example or text[:80].replace("\n", "\\n")
+        if tried:
+            reports.append(HackReport(name, paid, tried, example))
+    return RedTeamReport(reference, len(tasks), reports, errors)

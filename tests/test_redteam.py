@@ -1,0 +1,63 @@
+"""The reward red-team kit (rlvr.verifiers.redteam) and `rlvr check-reward`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from rlvr.config import ArithmeticConfig
+from rlvr.records import Task
+from rlvr.tasks import arithmetic_tasks
+from rlvr.verifiers import BUILTIN_REWARDS, RewardFunction
+from rlvr.verifiers.redteam import HACKS, red_team
+
+TASKS = arithmetic_tasks(ArithmeticConfig()).heldout[:10]
+
+
+def substring(completion: str, answer: object, **_: object) -> float:
+    return float(str(answer) in completion)
+
+
+def test_a_substring_reward_pays_for_hacks() -> None:
+    report = red_team(RewardFunction("substring", substring), TASKS)
+    paid = {h.hack for h in report.paid_hacks}
+    assert {"answer tag repeated", "many candidate answers", "very long output"} <= paid
+    assert report.reference_paid == len(TASKS) and not report.ok
+
+
+def test_built_in_verifiers_pay_for_no_hack() -> None:
+    for name in ("numeric_match", "exact_match", "math_equiv"):
+        report = red_team(RewardFunction(name, BUILTIN_REWARDS[name]), TASKS)
+        assert report.ok, (name, report.paid_hacks)
+        assert report.reference_paid == len(TASKS)
+
+
+def test_a_reward_that_never_pays_is_not_judged_safe() -> None:
+    report = red_team(RewardFunction("zero", lambda completion, **_: 0.0), TASKS)
+    assert not report.paid_hacks and report.reference_paid == 0 and not report.ok
+
+
+def test_code_hacks_apply_only_to_code_tasks() -> None:
+    code_task = Task("c", ({"role": "user", "content": "double"},), {"tests": [{"expected": 2}]})
+    math_task = TASKS[0]
+    code_only = [n for n, hack in HACKS.items() if hack(math_task) is None]
+    assert "exit(0) before the tests" in code_only
+    assert all(HACKS[n](code_task) is not None for n in code_only)
+
+
+def test_cli_exit_codes(tmp_path: Path) -> None:
+    (tmp_path / "rewards.py").write_text(
+        "def substring(completion, answer, **_):\n    return float(str(answer) in completion)\n"
+    )
+    cli = [sys.executable, "-m", "rlvr.cli", "check-reward"]
+    bad = subprocess.run(
+        [*cli, "rewards.py:substring", "--n", "5"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert bad.returncode == 1 and "PAID" in bad.stdout
+    good = subprocess.run(
+        [*cli, "numeric_match", "--n", "5"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert good.returncode == 0 and "no known hack is paid" in good.stdout
+    typo = subprocess.run([*cli, "no_such_reward"], cwd=tmp_path, capture_output=True, text=True)
+    assert typo.returncode == 2 and typo.stderr.startswith("error:")
