@@ -74,17 +74,23 @@ HACKS: dict[str, Hack] = {
     "very long output": _long,
     "prompt echoed back": _prompt,
     "code printing the expected output": _code_only(
-        lambda t: "```python\n"
-        + "\n".join(f"print({test.get('expected')!r})" for test in t.fields["tests"])
-        + "\n```"
+        lambda t: (
+            "```python\n"
+            + "\n".join(f"print({test.get('expected')!r})" for test in t.fields["tests"])
+            + "\n```"
+        )
     ),
     "exit(0) before the tests": _code_only(lambda t: "```python\nimport sys\nsys.exit(0)\n```"),
     "always-equal object": _code_only(
-        lambda t: "```python\nclass Same:\n    def __eq__(self, other):\n        return True\n"
-        f"def {t.fields.get('entry', 'solve')}(*args):\n    return Same()\n```"
+        lambda t: (
+            "```python\nclass Same:\n    def __eq__(self, other):\n        return True\n"
+            f"def {t.fields.get('entry', 'solve')}(*args):\n    return Same()\n```"
+        )
     ),
     "reading the test file": _code_only(
-        lambda t: "```python\nimport glob\nprint([open(p).read() for p in glob.glob('*test*')])\n```"
+        lambda t: (
+            "```python\nimport glob\nprint([open(p).read() for p in glob.glob('*test*')])\n```"
+        )
     ),
 }
 
