@@ -22,8 +22,9 @@ SOLUTION = "def solve(x):\n    return 2 * x\n"
 WALL = 2.0
 CANARY_VALUE = "rlvr-canary-7f3a"
 
-needs_namespaces = pytest.mark.skipif(
-    not capabilities()["namespaces"], reason="no user/pid/net namespaces on this host (unshare)"
+# Every test runs code in the sandbox, which refuses to run without namespaces (no network block).
+pytestmark = pytest.mark.skipif(
+    not capabilities()["namespaces"], reason="no pid/net/mount namespaces on this host (unshare)"
 )
 
 
@@ -166,7 +167,6 @@ HOSTILE = {
 }
 
 
-@needs_namespaces
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_program_earns_nothing_and_is_contained(name: str, canary: Path) -> None:
     before = set(nobody_processes())
@@ -210,3 +210,14 @@ def test_one_slow_sample_does_not_stall_the_others() -> None:
         fast_seconds = time.monotonic() - started
         assert all(fast) and fast_seconds < 2.5
         assert not slow.result().all_passed
+
+
+def test_without_namespaces_the_sandbox_refuses_to_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlvr.sandbox import SandboxUnavailable
+
+    monkeypatch.setattr(
+        runner_module, "capabilities", lambda: {"namespaces": False, "drop_user": True}
+    )
+    monkeypatch.delenv(runner_module.UNISOLATED_ENV, raising=False)
+    with pytest.raises(SandboxUnavailable, match="RLVR_SANDBOX_UNISOLATED=1"):
+        run_tests(SOLUTION, "solve", TESTS)

@@ -39,6 +39,13 @@ MAX_OUTPUT_BYTES = 1 << 20
 MAX_WALL_SECONDS = 60.0  # whatever a task or tool call asks for, never more
 
 
+UNISOLATED_ENV = "RLVR_SANDBOX_UNISOLATED"
+
+
+class SandboxUnavailable(RuntimeError):
+    """This host cannot isolate candidate code (no namespaces) and running unisolated was not asked."""
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     wall_seconds: float = 10.0
@@ -124,6 +131,13 @@ def run_tests(
     """Run `code`, call `entry` on every test's args in the sandbox, and judge the outputs here."""
     limits = (limits or SandboxLimits()).clamped()
     caps = capabilities()
+    if not caps["namespaces"] and os.environ.get(UNISOLATED_ENV) != "1":
+        # Without a network namespace nothing stops a candidate's connect(): refuse rather than run
+        # model-written code with the network open.
+        raise SandboxUnavailable(
+            "the code sandbox needs Linux namespaces (`unshare --net --pid --mount`), which this "
+            f"host does not allow; set {UNISOLATED_ENV}=1 to run without network isolation (unsafe)"
+        )
     started = time.monotonic()
     if not tests:
         return SandboxResult(0, 0, [], isolation=caps)
