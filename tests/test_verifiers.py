@@ -288,6 +288,8 @@ def test_builtin_registry() -> None:
         "exact_match",
         "numeric_match",
         "math_equiv",
+        "json_schema_format",
+        "tool_trace",
     }
     assert BUILTIN_REWARDS["numeric_match"] is numeric_match
 

@@ -70,6 +70,27 @@ def agent_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     return out
 
 
+def verifiability_metrics(
+    trajs: Sequence[Trajectory], weights: dict[str, float], unverifiable: set[str]
+) -> dict[str, float]:
+    """Verifiable and non-verifiable (LLM judge) reward reported apart: `reward/verifiable`,
+    `reward/non_verifiable` (weighted sums over usable rollouts). The judge's share rising while the
+    verifiable share stays flat is the classic sign of a policy exploiting its judge."""
+    if not unverifiable:
+        return {}
+    usable = [t for t in trajs if t.usable]
+    out = {f"rewards/{name}/verifiable": float(name not in unverifiable) for name in weights}
+    for key, keep in (("reward/verifiable", False), ("reward/non_verifiable", True)):
+        totals = [
+            sum(
+                w * t.rewards.get(n, 0.0) for n, w in weights.items() if (n in unverifiable) == keep
+            )
+            for t in usable
+        ]
+        out[key] = statistics.fmean(totals) if totals else float("nan")
+    return out
+
+
 def source_metrics(trajs: Sequence[Trajectory], metric_of: dict[str, str]) -> dict[str, float]:
     """Per mixture source: `env/<source>/reward`, `env/<source>/accuracy` (its success metric), count."""
     out: dict[str, float] = {}

@@ -47,7 +47,12 @@ from rlvr.errors import RewardError
 from rlvr.evaluate import evaluate_sources
 from rlvr.models import Policy
 from rlvr.observe.inspect import trajectory_rows, write_step_trajectories
-from rlvr.observe.metrics import agent_metrics, rollout_metrics, rollout_rows, source_metrics
+from rlvr.observe.metrics import (
+    agent_metrics,
+    rollout_metrics,
+    rollout_rows,
+    source_metrics,
+)
 from rlvr.observe.progress import Progress
 from rlvr.observe.tracking import Tracker
 from rlvr.records import Group, Task, Trajectory, flatten

@@ -128,6 +128,29 @@ class Sources:
             names += [n for n in s.reward_names if n not in names]
         return names
 
+    @property
+    def reward_weights(self) -> dict[str, float]:
+        """Weight of every reward component across sources (rubric functions and env parts)."""
+        weights: dict[str, float] = {}
+        for s in self:
+            weights.update(s.scoring.env_weights)
+            if s.scoring.rubric is not None:
+                weights.update(s.scoring.rubric.weights)
+        return weights
+
+    @property
+    def unverifiable(self) -> set[str]:
+        """Components whose function is not a verifier (an LLM judge)."""
+        from rlvr.verifiers.judge import is_verifiable
+
+        return {
+            f.name
+            for s in self
+            if s.scoring.rubric is not None
+            for f in s.scoring.rubric.functions
+            if not is_verifiable(f.fn)
+        }
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "samplers": {name: s.sampler.state_dict() for name, s in self.by_name.items()},

@@ -12,6 +12,7 @@ from rlvr.verifiers.builtin import (
     exact_match,
     extract_last_number,
     extract_tagged,
+    json_schema_format,
     math_equiv,
     numeric_match,
     regex_format,
@@ -23,6 +24,11 @@ from rlvr.verifiers.rubric import (
     resolve_reward_fn,
     trajectory_reward,
 )
+from rlvr.verifiers.trace import tool_trace
+
+# Registered here rather than in builtin.py: trace.py needs rubric.py, which imports builtin.py.
+# Any import of rlvr.verifiers.rubric runs this package __init__ first, so the name always resolves.
+BUILTIN_REWARDS.setdefault("tool_trace", tool_trace)
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -33,9 +39,11 @@ __all__ = [
     "exact_match",
     "extract_last_number",
     "extract_tagged",
+    "json_schema_format",
     "math_equiv",
     "numeric_match",
     "regex_format",
     "resolve_reward_fn",
+    "tool_trace",
     "trajectory_reward",
 ]

@@ -13,6 +13,7 @@ update instead of teaching the policy that every answer to that task is wrong).
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
 import threading
@@ -27,6 +28,7 @@ __all__ = [
     "exact_match",
     "extract_last_number",
     "extract_tagged",
+    "json_schema_format",
     "math_equiv",
     "numeric_match",
     "regex_format",
@@ -284,10 +286,70 @@ def math_equiv(
     return 0.0
 
 
+# A fenced code block, optionally labelled json: ```json\n{...}\n```
+_FENCE_RE = re.compile(r"```[ \t]*(?:json|JSON)?[ \t]*\n?(.*?)```", re.DOTALL)
+
+
+@functools.lru_cache(maxsize=64)
+def _schema_validator(schema_key: str) -> Any:
+    """A Draft 2020-12 validator for the schema serialised as `schema_key`, checked once."""
+    import jsonschema
+
+    schema = json.loads(schema_key)
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"json_schema_format: invalid schema: {exc.message}") from None
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _parse_json_candidate(text: str) -> tuple[bool, Any]:
+    """(True, value) when `text`, or failing that its last fenced block, is JSON; else (False, None)."""
+    candidates = [text.strip()]
+    fenced = _FENCE_RE.findall(text)
+    if fenced:
+        candidates.append(str(fenced[-1]).strip())
+    for candidate in candidates:
+        try:
+            return True, json.loads(candidate)
+        except (ValueError, RecursionError):
+            continue
+    return False, None
+
+
+def json_schema_format(
+    completion: str, schema: dict[str, Any], tag: str | None = "answer", **_: Any
+) -> float:
+    """1.0 iff the answer is JSON that validates against `schema` (JSON Schema Draft 2020-12).
+
+    The answer is the last `<tag>...</tag>` when there is one (`tag=None` disables this), else the
+    whole completion; inside it, either the text itself or its last fenced block (```json ... ```) is
+    parsed. Unparsable JSON or a schema violation is 0.0; an invalid `schema` (or one that is not a
+    JSON object) is a broken config and raises ValueError. Validators are cached per schema.
+    """
+    if not isinstance(schema, dict):
+        raise ValueError(
+            f"json_schema_format: schema must be a mapping, got {type(schema).__name__}"
+        )
+    try:
+        schema_key = json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"json_schema_format: schema is not JSON-serialisable: {exc}") from None
+    validator = _schema_validator(schema_key)
+    tagged = extract_tagged(completion, tag) if tag else None
+    ok, value = _parse_json_candidate(tagged if tagged is not None else completion)
+    if not ok:
+        return 0.0
+    return 1.0 if validator.is_valid(value) else 0.0
+
+
 BUILTIN_REWARDS: dict[str, Callable[..., float]] = {
     "answer_tag_format": answer_tag_format,
     "regex_format": regex_format,
     "exact_match": exact_match,
     "numeric_match": numeric_match,
     "math_equiv": math_equiv,
+    "json_schema_format": json_schema_format,
+    # "tool_trace" (rlvr.verifiers.trace) is added by rlvr/verifiers/__init__.py: it needs the
+    # @trajectory_reward marker from rubric.py, which itself imports this module.
 }

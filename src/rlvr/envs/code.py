@@ -1,0 +1,197 @@
+"""Code: write a small Python function; it is run against visible and hidden tests in the sandbox.
+
+The task set is fixed: `code_tasks.json` next to this module holds 50 function-writing tasks written
+for this project, each with 2 visible tests (shown in the prompt as examples) and at least 3 hidden
+ones (edge cases the policy never sees). The answer is read from the last ```python block (or plain
+``` block, or the whole reply when it starts with `def `) and run by `rlvr.sandbox.run_tests`; the
+expected values never enter the sandbox. `success` is earned only when every test, visible and
+hidden, passes. A wrong answer gets feedback naming the first failing visible test and how it failed,
+plus how many hidden tests failed (never their inputs or expected values), and another try.
+
+Because the set is small and fixed, `make_splits` splits the whole list by a hash of each task's name:
+`num_train` / `num_heldout` only cap the two lists (asking for more than there are gives all there
+are), and both lists are kept non-empty whatever `heldout_fraction` is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any, ClassVar, cast
+
+from pydantic import Field
+
+from rlvr.envs.base import (
+    AnswerWithFeedbackEnv,
+    Env,
+    EnvFamily,
+    EnvOptions,
+    register_env,
+    stable_fraction,
+)
+from rlvr.records import Task
+from rlvr.sandbox import SandboxLimits, SandboxResult, TestCase, run_tests
+
+TASKS_FILE = Path(__file__).with_name("code_tasks.json")
+SYSTEM_PROMPT = (
+    "You write correct, self-contained Python functions. Reply with the complete function in one "
+    "```python code block; do not add tests or example calls."
+)
+NO_CODE_FEEDBACK = "Put your function in a ```python block."
+
+_PYTHON_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_ANY_BLOCK = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(text: str) -> str | None:
+    """The last ```python block, else the last ``` block, else the whole text if it starts with
+    `def `; None when there is no (non-empty) code."""
+    for pattern in (_PYTHON_BLOCK, _ANY_BLOCK):
+        blocks = [b for b in pattern.findall(text) if b.strip()]
+        if blocks:
+            return str(blocks[-1])
+    stripped = text.strip()
+    return stripped + "\n" if stripped.startswith("def ") else None
+
+
+@cache
+def load_code_tasks() -> tuple[dict[str, Any], ...]:
+    """The bundled tasks, as written in code_tasks.json."""
+    return tuple(json.loads(TASKS_FILE.read_text()))
+
+
+def _call(entry: str, args: list[Any]) -> str:
+    return f"{entry}({', '.join(map(repr, args))})"
+
+
+def make_task(spec: Mapping[str, Any], wall_seconds: float = 5.0) -> Task:
+    """The task for one entry of code_tasks.json; its id is the task's name."""
+    entry = str(spec["entry"])
+    visible, hidden = list(spec["tests"]), list(spec["hidden"])
+    examples = "\n".join(f"    {_call(entry, t['args'])} -> {t['expected']!r}" for t in visible)
+    user = (
+        f"{spec['prompt']}\n\nExamples:\n{examples}\n\n"
+        "Reply with the complete function in a ```python code block."
+    )
+    messages = ({"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user})
+    fields: dict[str, Any] = {
+        "name": spec["name"],
+        "entry": entry,
+        "tests": visible,
+        "hidden_tests": hidden,
+        "wall_seconds": wall_seconds,
+    }
+    return Task(id=f"code:{spec['name']}", messages=messages, fields=fields)
+
+
+class CodeOptions(EnvOptions):
+    max_turns: int = Field(
+        2, ge=1, le=5, description="Answers per episode (2: one retry after feedback)."
+    )
+    wall_seconds: float = Field(
+        5.0, gt=0.0, le=30.0, description="Wall-clock limit of one sandbox run (all tests)."
+    )
+
+
+@register_env
+class CodeFamily(EnvFamily):
+    name: ClassVar[str] = "code"
+    description: ClassVar[str] = "Write a Python function; it must pass visible and hidden tests."
+    Options: ClassVar[type[EnvOptions]] = CodeOptions
+    success_metric: ClassVar[str] = "success"
+    reward_weights: ClassVar[Mapping[str, float]] = {"format": 0.1}
+    example_config: ClassVar[str] = "examples/env_code.yaml"
+
+    def _opts(self) -> CodeOptions:
+        assert isinstance(self.options, CodeOptions)
+        return self.options
+
+    def generate(self, seed: int) -> Task:
+        specs = load_code_tasks()
+        return make_task(specs[seed % len(specs)], self._opts().wall_seconds)
+
+    def make(self, task: Task) -> Env:
+        return env_class(self._opts().max_turns)(task)
+
+    def make_splits(
+        self, num_train: int, num_heldout: int, heldout_fraction: float = 0.1
+    ) -> tuple[list[Task], list[Task]]:
+        """Split the fixed list by stable_fraction(task id): held out iff below heldout_fraction.
+        If that leaves a side empty, the task with the lowest (highest) hash moves over, so both are
+        non-empty. num_train / num_heldout cap the lists; they never ask for more than there is."""
+        wall = self._opts().wall_seconds
+        tasks = sorted(
+            (make_task(s, wall) for s in load_code_tasks()), key=lambda t: stable_fraction(t.id)
+        )
+        cut = sum(stable_fraction(t.id) < heldout_fraction for t in tasks)
+        cut = min(max(cut, 1), len(tasks) - 1)
+        heldout, train = tasks[:cut], tasks[cut:]
+        train.sort(key=lambda t: t.id)
+        return train[:num_train], heldout[:num_heldout]
+
+
+@cache
+def env_class(max_turns: int) -> type[CodeEnv]:
+    """CodeEnv with its turn cap set (the rollout engine reads `max_turns` from the env class)."""
+    if max_turns == CodeEnv.max_turns:
+        return CodeEnv
+    return cast("type[CodeEnv]", type(f"CodeEnv{max_turns}", (CodeEnv,), {"max_turns": max_turns}))
+
+
+def _cases(tests: list[Mapping[str, Any]], hidden: bool) -> list[TestCase]:
+    return [TestCase(tuple(t["args"]), t["expected"], hidden=hidden) for t in tests]
+
+
+class CodeEnv(AnswerWithFeedbackEnv):
+    """One coding episode: write the function, get feedback on failing tests, try again."""
+
+    def __init__(self, task: Task) -> None:
+        f = task.fields
+        self.task = task
+        self.entry = str(f["entry"])
+        self.visible = list(f["tests"])
+        self.hidden = list(f["hidden_tests"])
+        self.wall_seconds = float(f.get("wall_seconds", 5.0))
+        super().__init__()
+
+    def check(self, assistant_text: str) -> tuple[bool, bool, str]:
+        """(parsed, solved, feedback): solved only when every visible and hidden test passes."""
+        code = extract_code(assistant_text)
+        if code is None:
+            return False, False, NO_CODE_FEEDBACK
+        cases = _cases(self.visible, False) + _cases(self.hidden, True)
+        result = run_tests(code, self.entry, cases, SandboxLimits(wall_seconds=self.wall_seconds))
+        if result.all_passed:
+            return True, True, ""
+        return True, False, self.feedback(result)
+
+    def feedback(self, result: SandboxResult) -> str:
+        """What went wrong, from the visible tests only; hidden tests are only counted."""
+        n_visible = len(self.visible)
+        hidden_failed = sum(o != "pass" for o in result.outcomes[n_visible:])
+        if result.load_error is not None:
+            return f"Your code could not be run: {result.load_error}."
+        parts: list[str] = []
+        for test, outcome in zip(self.visible, result.outcomes[:n_visible], strict=True):
+            if outcome == "pass":
+                continue
+            call = _call(self.entry, test["args"])
+            if outcome == "fail":
+                parts.append(f"{call} gave the wrong output (expected {test['expected']!r}).")
+            elif outcome.startswith("error: "):
+                parts.append(f"{call} raised an error: {outcome[len('error: ') :]}.")
+            elif result.timed_out:
+                parts.append(f"{call} timed out (limit {self.wall_seconds:g} s for all tests).")
+            else:
+                parts.append(f"{call} did not return (the program crashed or exited).")
+            break
+        if not parts:
+            parts.append(f"All {n_visible} example tests pass.")
+        if hidden_failed:
+            plural = "s" if hidden_failed > 1 else ""
+            why = " (the run timed out)" if result.timed_out else ""
+            parts.append(f"{hidden_failed} hidden test{plural} failed{why}.")
+        return " ".join(parts)
