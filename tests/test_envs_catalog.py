@@ -17,7 +17,7 @@ from rlvr.tasks import TaskSampler, TaskSplits
 from rlvr.train.sources import Sources
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-BUILT_IN = ["bandit", "calculator", "countdown", "frozenlake", "sokoban", "sudoku"]
+BUILT_IN = ["bandit", "calculator", "code", "countdown", "frozenlake", "sokoban", "sudoku"]
 
 
 def test_every_built_in_env_is_registered() -> None:
@@ -28,8 +28,8 @@ def test_every_built_in_env_is_registered() -> None:
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_env_plays_through_the_protocol(name: str) -> None:
     family = get_env_family(name)
-    train, heldout = family.make_splits(40, 10)
-    assert len(train) == 40 and len(heldout) == 10
+    train, heldout = family.make_splits(30, 8, 0.25)
+    assert len(train) == 30 and len(heldout) == 8  # code has a fixed set of 50 tasks
     assert not {t.id for t in train} & {t.id for t in heldout}
     task = heldout[0]
     env = family.make(task)
@@ -44,8 +44,8 @@ def test_env_plays_through_the_protocol(name: str) -> None:
 
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_env_split_is_seed_independent_and_stable(name: str) -> None:
-    a = get_env_family(name).make_splits(30, 5)
-    b = get_env_family(name).make_splits(30, 5)
+    a = get_env_family(name).make_splits(30, 5, 0.25)
+    b = get_env_family(name).make_splits(30, 5, 0.25)
     assert [t.id for t in a[1]] == [t.id for t in b[1]]
 
 

@@ -173,7 +173,9 @@ class CodeEnv(AnswerWithFeedbackEnv):
         n_visible = len(self.visible)
         hidden_failed = sum(o != "pass" for o in result.outcomes[n_visible:])
         if result.load_error is not None:
-            return f"Your code could not be run: {result.load_error}."
+            if result.load_error == f"load: KeyError: {self.entry!r}":
+                return f"Your code does not define a function named `{self.entry}`."
+            return f"Your code could not be run: {result.load_error.removeprefix('load: ')}."
         parts: list[str] = []
         for test, outcome in zip(self.visible, result.outcomes[:n_visible], strict=True):
             if outcome == "pass":
