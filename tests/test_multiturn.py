@@ -13,6 +13,7 @@ import json
 import re
 import string
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -789,3 +790,21 @@ def test_an_env_whose_reset_raises_is_an_env_error_not_a_crash() -> None:
     assert bad.finish_reason == "error" and bad.reward_errors == ("env",) and not bad.turns
     assert "reset failed: RuntimeError: no world today" in bad.info["reward_errors"]["env"]
     assert good.finish_reason == "stop" and good.rewards["success"] == 1.0
+
+
+class SlowEnv(AddEnv):
+    def finish(self, assistant_text: str) -> EnvStep:
+        time.sleep(0.5)  # e.g. code run in the sandbox
+        return super().finish(assistant_text)
+
+
+def test_slow_env_steps_run_in_parallel_and_stay_in_order() -> None:
+    tasks = [task(task_id=f"t{i}", answer=5 if i % 2 else 6) for i in range(4)]
+    started = time.monotonic()
+    groups, _ = play(
+        by_turn(ANSWER), tasks=tasks, make_env=SlowEnv, limits=RolloutLimits(env_workers=4)
+    )
+    elapsed = time.monotonic() - started
+    assert elapsed < 1.5, elapsed  # four 0.5 s steps side by side, not one after another
+    assert [g[0].task_id for g in groups] == ["t0", "t1", "t2", "t3"]
+    assert [g[0].rewards["success"] for g in groups] == [0.0, 1.0, 0.0, 1.0]

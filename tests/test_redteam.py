@@ -61,3 +61,29 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
     assert good.returncode == 0 and "no known hack is paid" in good.stdout
     typo = subprocess.run([*cli, "no_such_reward"], cwd=tmp_path, capture_output=True, text=True)
     assert typo.returncode == 2 and typo.stderr.startswith("error:")
+
+
+def test_the_code_verifier_pays_for_no_code_hack() -> None:
+    import pytest
+
+    from rlvr.config import load_config
+    from rlvr.sandbox import capabilities
+    from rlvr.tasks import load_tasks
+    from rlvr.verifiers.code import code_tests
+
+    if not capabilities()["namespaces"]:
+        pytest.skip("the sandbox needs namespaces on this host")
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    cfg = load_config(examples / "code_dataset.yaml")
+    task_cfg = cfg.task.model_copy(
+        update={
+            "dataset": cfg.task.dataset.model_copy(  # type: ignore[union-attr]
+                update={"path": str(examples / "code_tasks.jsonl")}
+            )
+        }
+    )
+    splits = load_tasks(task_cfg)
+    report = red_team(RewardFunction("code", code_tests), splits.train + splits.heldout)
+    code_hacks = {h.hack for h in report.hacks}
+    assert {"exit(0) before the tests", "always-equal object"} <= code_hacks
+    assert report.ok and report.reference_tried == 0, report.paid_hacks

@@ -175,13 +175,14 @@ def check_reward_command(
     tasks = load_tasks(cfg.task).heldout[:n]
     reward = RewardFunction(name=function, fn=resolve_reward_fn(function, base_dir=Path.cwd()))
     report = red_team(reward, tasks)
-    print(f"reference answer paid on {report.reference_paid}/{report.tasks} tasks")
+    if report.reference_tried:
+        print(f"reference answer paid on {report.reference_paid}/{report.reference_tried} tasks")
     for hack in report.hacks:
         verdict = f"PAID on {hack.paid}/{hack.tried}  e.g. {hack.example!r}" if hack.paid else "ok"
         print(f"  {hack.hack:<36} {verdict}")
     if report.errors:
         print(f"  ({report.errors} calls raised; counted as not paid)")
-    if report.reference_paid == 0:
+    if report.reference_tried and report.reference_paid == 0:
         print("the function never paid for the reference answer: it cannot be judged safe")
     if not report.ok:
         raise typer.Exit(1)

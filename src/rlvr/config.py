@@ -114,6 +114,11 @@ class RolloutConfig(_Section):
     )
     tool_timeout_s: float = Field(5.0, gt=0.0, description="Wall-clock limit per tool call.")
     max_tool_calls_per_turn: int = Field(4, ge=1)
+    env_workers: int = Field(
+        4,
+        ge=1,
+        description="Threads stepping envs in parallel (code runs, tools); 1 = the main thread.",
+    )
 
 
 class FilterConfig(_Section):

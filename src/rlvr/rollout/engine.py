@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ class RolloutLimits:
     observation_truncation: Truncation = "right"
     tool_timeout_s: float = 5.0
     max_tool_calls_per_turn: int = 4
+    env_workers: int = 4  # threads stepping envs in parallel (1 = in the calling thread)
 
 
 @dataclass(frozen=True)
@@ -186,12 +188,37 @@ def _append_observation(
     return True
 
 
+def _step_all(envs_and_texts: Sequence[tuple[Env, str]], workers: int) -> list[Any]:
+    """env.step(text) for each pair; an exception is returned in place of its step.
+
+    Steps can be slow (code run in the sandbox, tools), so they run in worker threads: a slow one
+    holds back only the end of this turn, never the other episodes' steps.
+    """
+
+    def one(pair: tuple[Env, str]) -> Any:
+        try:
+            return pair[0].step(pair[1])
+        except Exception as exc:
+            return exc
+
+    if workers <= 1 or len(envs_and_texts) <= 1:
+        return [one(pair) for pair in envs_and_texts]
+    with ThreadPoolExecutor(min(workers, len(envs_and_texts))) as pool:
+        return list(pool.map(one, envs_and_texts))
+
+
 def _advance(
-    ep: _Episode, text: str, cut: bool, eos_text: str, tokenizer: Any, limits: RolloutLimits
+    ep: _Episode,
+    step: EnvStep,
+    cut: bool,
+    eos_text: str,
+    tokenizer: Any,
+    limits: RolloutLimits,
 ) -> None:
-    """Step the env with one assistant turn; record its reward parts; append the observation or
-    end the episode. Anything raised here is the env's failure (the caller records it)."""
-    step = ep.env.step(text)
+    """Record one env step's reward parts; append the observation or end the episode. Anything
+    raised here is the env's failure (the caller records it)."""
+    if not isinstance(step, EnvStep):
+        raise TypeError(f"env.step returned {type(step).__name__}, expected EnvStep")
     parts = {}
     for name, value in step.rewards.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -226,6 +253,7 @@ def run_episodes(
     flat = [ep for group in episodes for ep in group]
     while live := [ep for ep in flat if ep.finish is None]:
         budget = min(sampling.max_new_tokens, max(limits.max_total_tokens - ep.used for ep in live))
+        pending: list[tuple[_Episode, str, bool, str]] = []
         for ep, completion in zip(
             live, _sample_turn(live, generator, sampling, budget), strict=True
         ):
@@ -241,8 +269,13 @@ def run_episodes(
             ep.last_text = text
             ep.messages.append({"role": "assistant", "content": text})
             eos_text = "" if not sampled or cut else _special_text(tokenizer, sampled[-1])
+            pending.append((ep, text, cut, eos_text))
+        steps = _step_all([(ep.env, text) for ep, text, _, _ in pending], limits.env_workers)
+        for (ep, _, cut, eos_text), step in zip(pending, steps, strict=True):
             try:
-                _advance(ep, text, cut, eos_text, tokenizer, limits)
+                if isinstance(step, Exception):
+                    raise step
+                _advance(ep, step, cut, eos_text, tokenizer, limits)
             except Exception as exc:  # a broken env is reported, never turned into a reward
                 ep.error = f"{type(exc).__name__}: {exc}"[:500]
                 if len(ep.turn_parts) < len(ep.turns):  # one entry per turn, for turn credit

@@ -106,6 +106,7 @@ class HackReport:
 @dataclass(frozen=True)
 class RedTeamReport:
     reference_paid: int
+    reference_tried: int  # tasks with a reference answer (code tasks have tests instead)
     tasks: int
     hacks: list[HackReport]
     errors: int
@@ -116,7 +117,7 @@ class RedTeamReport:
 
     @property
     def ok(self) -> bool:
-        return not self.paid_hacks and self.reference_paid > 0
+        return not self.paid_hacks and (self.reference_paid > 0 or self.reference_tried == 0)
 
 
 def _trajectory(task: Task, text: str) -> Trajectory:
@@ -131,8 +132,9 @@ def _trajectory(task: Task, text: str) -> Trajectory:
     )
 
 
-def reference_completion(task: Task) -> str:
-    return f"<answer>{_answer(task)}</answer>"
+def reference_completion(task: Task) -> str | None:
+    """The right answer in the answer tag; None for tasks without an `answer` field."""
+    return f"<answer>{_answer(task)}</answer>" if "answer" in task.fields else None
 
 
 def red_team(function: RewardFunction, tasks: Sequence[Task]) -> RedTeamReport:
@@ -147,7 +149,9 @@ def red_team(function: RewardFunction, tasks: Sequence[Task]) -> RedTeamReport:
             errors += 1
             return False
 
-    reference = sum(pays(t, reference_completion(t)) for t in tasks)
+    references = [(t, reference_completion(t)) for t in tasks]
+    reference_texts = [(t, text) for t, text in references if text is not None]
+    reference = sum(pays(t, text) for t, text in reference_texts)
     reports = []
     for name, hack in HACKS.items():
         paid, tried, example = 0, 0, ""
@@ -161,4 +165,4 @@ def red_team(function: RewardFunction, tasks: Sequence[Task]) -> RedTeamReport:
                 example = example or text[:80].replace("\n", "\\n")
         if tried:
             reports.append(HackReport(name, paid, tried, example))
-    return RedTeamReport(reference, len(tasks), reports, errors)
+    return RedTeamReport(reference, len(reference_texts), len(tasks), reports, errors)
