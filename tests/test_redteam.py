@@ -33,6 +33,17 @@ def test_built_in_verifiers_pay_for_no_hack() -> None:
         assert report.reference_paid == len(TASKS)
 
 
+def test_built_in_format_verifiers_pay_for_no_hack() -> None:
+    cases = {
+        "answer_tag_format": {},
+        "regex_format": {"pattern": r"<answer>-?\d+</answer>", "mode": "fullmatch"},
+        "json_schema_format": {"schema": {"type": "integer"}},
+    }
+    for name, options in cases.items():
+        report = red_team(RewardFunction(name, BUILTIN_REWARDS[name], options=options), TASKS)
+        assert report.ok, (name, report.paid_hacks)
+
+
 def test_a_reward_that_never_pays_is_not_judged_safe() -> None:
     report = red_team(RewardFunction("zero", lambda completion, **_: 0.0), TASKS)
     assert not report.paid_hacks and report.reference_paid == 0 and not report.ok

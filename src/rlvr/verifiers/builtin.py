@@ -322,8 +322,9 @@ def json_schema_format(
 ) -> float:
     """1.0 iff the answer is JSON that validates against `schema` (JSON Schema Draft 2020-12).
 
-    The answer is the last `<tag>...</tag>` when there is one (`tag=None` disables this), else the
-    whole completion; inside it, either the text itself or its last fenced block (```json ... ```) is
+    The answer is the `<tag>...</tag>` when there is one (`tag=None` disables this), else the
+    whole completion; several tags are a format violation (0.0: answering twice is a hedge, as in
+    answer_tag_format); inside it, either the text itself or its last fenced block (```json ... ```) is
     parsed. Unparsable JSON or a schema violation is 0.0; an invalid `schema` (or one that is not a
     JSON object) is a broken config and raises ValueError. Validators are cached per schema.
     """
@@ -336,6 +337,8 @@ def json_schema_format(
     except (TypeError, ValueError) as exc:
         raise ValueError(f"json_schema_format: schema is not JSON-serialisable: {exc}") from None
     validator = _schema_validator(schema_key)
+    if tag and len(_tag_pattern(tag).findall(completion)) > 1:
+        return 0.0
     tagged = extract_tagged(completion, tag) if tag else None
     ok, value = _parse_json_candidate(tagged if tagged is not None else completion)
     if not ok:
