@@ -69,6 +69,8 @@ PRELOAD = [
     "time",
     "typing",
     "unicodedata",
+    "unittest",
+    "glob",
     "encodings.idna",
 ]
 
