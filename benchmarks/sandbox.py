@@ -2,6 +2,7 @@
 overhead against a bare `python -c` subprocess, side by side in one run.
 
     python benchmarks/sandbox.py [--n 40] [--workers 2]
+    python benchmarks/sandbox.py --adversarial     # tests/test_sandbox.py's hostile programs, timed
 """
 
 from __future__ import annotations
@@ -36,12 +37,36 @@ def rate(fn: object, n: int, workers: int) -> float:
     return n / (time.perf_counter() - started)
 
 
+def adversarial_table() -> None:
+    """One row per hostile program: reward, what the first test saw, seconds (2 s deadline)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from rlvr.sandbox import SandboxLimits
+    from test_sandbox import HOSTILE, WALL  # type: ignore[import-not-found]
+    from test_sandbox import TESTS as HOSTILE_TESTS
+
+    print("| case | reward | outcome (first test) | seconds |\n|---|---|---|---|")
+    for name, code in HOSTILE.items():
+        started = time.perf_counter()
+        result = run_tests(code, "solve", HOSTILE_TESTS, SandboxLimits(wall_seconds=WALL))
+        seconds = time.perf_counter() - started
+        seen = (result.load_error or result.outcomes[0]).replace("|", "/")[:60]
+        if result.timed_out:
+            seen = "killed at deadline; " + seen
+        print(f"| {name} | {int(result.all_passed)} | {seen} | {seconds:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--n", type=int, default=40)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--adversarial", action="store_true")
     args = parser.parse_args()
     print(f"isolation: {capabilities()}")
+    if args.adversarial:
+        adversarial_table()
+        return
     sandbox_rate = rate(sandboxed, args.n, args.workers)
     bare_rate = rate(bare, args.n, args.workers)
     print(f"{'':28}{'exec/s':>10}{'ms/exec':>10}")
