@@ -808,3 +808,38 @@ def test_slow_env_steps_run_in_parallel_and_stay_in_order() -> None:
     assert elapsed < 1.5, elapsed  # four 0.5 s steps side by side, not one after another
     assert [g[0].task_id for g in groups] == ["t0", "t1", "t2", "t3"]
     assert [g[0].rewards["success"] for g in groups] == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_parallel_rubric_functions_score_all_trajectories_at_once() -> None:
+    from rlvr.verifiers.rubric import parallel_reward
+
+    @parallel_reward
+    def slow_check(completion: str, **_: object) -> float:
+        time.sleep(0.5)  # e.g. running the answer's code in the sandbox
+        return float("5" in completion)
+
+    @parallel_reward
+    def broken(completion: str, **_: object) -> float:
+        raise RuntimeError("sandbox unavailable")
+
+    rubric = Rubric(
+        [RewardFunction("slow", slow_check), RewardFunction("broken", broken, weight=0)]
+    )
+    tasks = [task(task_id=f"t{i}") for i in range(4)]
+    started = time.monotonic()
+    groups, _ = play(
+        by_turn(ANSWER),
+        tasks=tasks,
+        make_env=SingleTurnEnv,
+        scoring=Scoring(rubric=rubric),
+        limits=RolloutLimits(env_workers=4),
+    )
+    assert time.monotonic() - started < 1.5
+    trajs = [g[0] for g in groups]
+    assert all(t.rewards["slow"] == 1.0 for t in trajs)
+    # A parallel function that raises is still an error of that trajectory, never a 0.
+    assert all(
+        t.reward_errors == ("broken",)
+        and "sandbox unavailable" in t.info["reward_errors"]["broken"]
+        for t in trajs
+    )

@@ -39,6 +39,7 @@ from rlvr.rollout.chat import (
 )
 from rlvr.rollout.generator import Completion, Generator, SamplingParams
 from rlvr.verifiers import Rubric
+from rlvr.verifiers.rubric import Prefetched
 
 EnvFactory = Callable[[Task], Env]
 
@@ -284,7 +285,24 @@ def run_episodes(
     return episodes
 
 
-def _trajectory(ep: _Episode, scoring: Scoring) -> Trajectory:
+def _unscored(ep: _Episode) -> Trajectory:
+    return Trajectory(
+        task_id=ep.task.id,
+        token_ids=tuple(ep.token_ids),
+        policy_mask=tuple(ep.policy_mask),
+        logprobs=tuple(ep.logprobs),
+        prompt_length=ep.prompt_length,
+        completion_text=ep.last_text,
+        finish_reason=ep.finish or "error",
+        turns=tuple(ep.turns),
+        messages=tuple(ep.messages),
+        source=ep.task.source,
+    )
+
+
+def _trajectory(
+    ep: _Episode, trajectory: Trajectory, scoring: Scoring, prefetched: Prefetched | None = None
+) -> Trajectory:
     """Score a finished episode: env parts summed over turns + rubric components."""
     # Declared parts an episode never earned (cut before its final answer) count 0, so per-component
     # means are over every episode, not only the ones that got that far.
@@ -299,21 +317,9 @@ def _trajectory(ep: _Episode, scoring: Scoring) -> Trajectory:
     errors: dict[str, str] = {}
     if ep.error is not None:
         errors["env"] = ep.error
-    trajectory = Trajectory(
-        task_id=ep.task.id,
-        token_ids=tuple(ep.token_ids),
-        policy_mask=tuple(ep.policy_mask),
-        logprobs=tuple(ep.logprobs),
-        prompt_length=ep.prompt_length,
-        completion_text=ep.last_text,
-        finish_reason=ep.finish or "error",
-        turns=tuple(ep.turns),
-        messages=tuple(ep.messages),
-        source=ep.task.source,
-    )
     rewards = dict(parts)
     if scoring.rubric is not None:
-        score = scoring.rubric.score(trajectory, ep.task)
+        score = scoring.rubric.score(trajectory, ep.task, prefetched)
         rewards.update(score.rewards)
         errors.update(score.errors)
         if turn_totals:
@@ -345,8 +351,18 @@ def rollout_groups(
     `limits`, one turn of at most `sampling.max_new_tokens` tokens (the single-turn case)."""
     limits = limits or RolloutLimits(max_total_tokens=sampling.max_new_tokens)
     episodes = run_episodes(tasks, make_env, generator, tokenizer, sampling, limits)
-    groups = []
-    for task, group in zip(tasks, episodes, strict=True):
-        how = scoring(task) if callable(scoring) else scoring
-        groups.append(Group(task=task, trajectories=tuple(_trajectory(ep, how) for ep in group)))
-    return groups
+    plans = [
+        (ep, _unscored(ep), scoring(task) if callable(scoring) else scoring)
+        for task, group in zip(tasks, episodes, strict=True)
+        for ep in group
+    ]
+    # Slow, thread-safe rubric functions (code execution) run across all trajectories at once.
+    prefetched: Prefetched = {}
+    for rubric in {id(how.rubric): how.rubric for _, _, how in plans if how.rubric}.values():
+        pairs = [(traj, ep.task) for ep, traj, how in plans if how.rubric is rubric]
+        prefetched.update(rubric.prefetch(pairs, workers=limits.env_workers))
+    scored = iter([_trajectory(ep, traj, how, prefetched) for ep, traj, how in plans])
+    return [
+        Group(task=task, trajectories=tuple(next(scored) for _ in group))
+        for task, group in zip(tasks, episodes, strict=True)
+    ]

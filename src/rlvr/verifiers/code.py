@@ -12,6 +12,7 @@ from typing import Any
 
 from rlvr.envs.code import extract_code
 from rlvr.sandbox import SandboxLimits, TestCase, run_tests
+from rlvr.verifiers.rubric import parallel_reward
 
 
 def _cases(tests: Any, hidden: bool, what: str) -> list[TestCase]:
@@ -31,6 +32,7 @@ def _cases(tests: Any, hidden: bool, what: str) -> list[TestCase]:
     return cases
 
 
+@parallel_reward
 def code_tests(
     completion: str,
     tests: list[dict[str, Any]] | str,

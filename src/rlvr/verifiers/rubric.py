@@ -17,6 +17,7 @@ import numbers
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType, ModuleType
@@ -27,9 +28,11 @@ from rlvr.records import Task, Trajectory
 from rlvr.verifiers.builtin import BUILTIN_REWARDS
 
 __all__ = [
+    "Prefetched",
     "RewardFunction",
     "Rubric",
     "Score",
+    "parallel_reward",
     "resolve_reward_fn",
     "trajectory_reward",
 ]
@@ -41,6 +44,20 @@ _WANTS_TRAJECTORY = "__rlvr_trajectory_reward__"
 
 # Longest error message kept per component: errors are logged per step and must stay one line.
 _MAX_ERROR_CHARS = 500
+
+
+_PARALLEL = "__rlvr_parallel_reward__"
+
+# (id(trajectory), function name) -> value or the exception it raised; see Rubric.prefetch.
+Prefetched = dict[tuple[int, str], "float | Exception"]
+
+
+def parallel_reward(fn: F) -> F:
+    """Mark `fn` as slow and thread-safe (e.g. running code in the sandbox): the rollout engine then
+    scores it for all trajectories of a step at once in worker threads, so one slow sample does not
+    hold back the others. Functions using signals (math_verify's timeouts) must not be marked."""
+    setattr(fn, _PARALLEL, True)
+    return fn
 
 
 def trajectory_reward(fn: F) -> F:
@@ -322,13 +339,42 @@ class Rubric:
     def weights(self) -> dict[str, float]:
         return {f.name: f.weight for f in self._functions}
 
-    def score(self, trajectory: Trajectory, task: Task) -> Score:
+    def prefetch(self, pairs: Sequence[tuple[Trajectory, Task]], workers: int = 4) -> Prefetched:
+        """Values of the `@parallel_reward` functions for every pair, computed in worker threads."""
+        out: Prefetched = {}
+        slow = [f for f in self._functions if getattr(f.fn, _PARALLEL, False)]
+        if not slow or not pairs:
+            return out
+
+        def one(job: tuple[RewardFunction, Trajectory, Task]) -> float | Exception:
+            function, trajectory, task = job
+            try:
+                return function(trajectory, task)
+            except Exception as exc:
+                return exc
+
+        jobs = [(f, t, task) for f in slow for t, task in pairs]
+        with ThreadPoolExecutor(max(1, min(workers, len(jobs)))) as pool:
+            for (function, trajectory, _), value in zip(jobs, pool.map(one, jobs), strict=True):
+                out[(id(trajectory), function.name)] = value
+        return out
+
+    def score(
+        self, trajectory: Trajectory, task: Task, prefetched: Prefetched | None = None
+    ) -> Score:
         rewards: dict[str, float] = {}
         errors: dict[str, str] = {}
         total = 0.0
         for function in self._functions:
             try:
-                value = function(trajectory, task)
+                key = (id(trajectory), function.name)
+                if prefetched is not None and key in prefetched:
+                    found = prefetched[key]
+                    if isinstance(found, Exception):
+                        raise found
+                    value = found
+                else:
+                    value = function(trajectory, task)
             except Exception as exc:
                 errors[function.name] = _describe(exc)
                 continue
