@@ -566,7 +566,7 @@ def test_errors_timeouts_and_missing_code_are_explained() -> None:
 
 
 def test_options_and_turn_cap() -> None:
-    assert type(env_for("gcd")).max_turns == 2
+    assert env_for("gcd").max_turns == 2
     assert env_for("gcd", max_turns=3).max_turns == 3
     with pytest.raises(ConfigError, match="wall_seconds"):
         CodeFamily({"wall_seconds": 60})

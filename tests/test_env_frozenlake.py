@@ -6,7 +6,7 @@ import pytest
 
 from rlvr.envs.base import split_instances
 from rlvr.envs.frozenlake import (
-    ENV_BY_SIZE,
+    MAX_TURNS_BY_SIZE,
     FrozenLakeEnv,
     FrozenLakeFamily,
     make_task,
@@ -114,9 +114,9 @@ def test_generated_lakes_are_solvable_within_the_turn_cap(size: int) -> None:
         rows = task.fields["rows"]
         assert len(rows) == size and all(len(r) == size for r in rows)
         path = solve_frozenlake(rows)
-        assert path is not None and 2 <= len(path) <= ENV_BY_SIZE[size].max_turns - 2
+        assert path is not None and 2 <= len(path) <= MAX_TURNS_BY_SIZE[size] - 2
         env = family.make(task)
-        assert type(env).max_turns == ENV_BY_SIZE[size].max_turns
+        assert env.max_turns == MAX_TURNS_BY_SIZE[size]
         assert isinstance(env, FrozenLakeEnv)
         assert play(env, path) == (1.0, True)
 

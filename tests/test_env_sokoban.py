@@ -6,7 +6,7 @@ import pytest
 
 from rlvr.envs.base import split_instances
 from rlvr.envs.sokoban import (
-    ENV_BY_SIZE,
+    MAX_TURNS_BY_SIZE,
     Room,
     SokobanEnv,
     SokobanFamily,
@@ -135,9 +135,9 @@ def test_generated_levels_are_solvable_and_not_solved(size: int, num_boxes: int)
         assert len(room.boxes) == len(room.targets) == num_boxes
         assert not room.solved()
         path = solve_sokoban(task.fields["rows"])
-        assert path is not None and 1 <= len(path) <= ENV_BY_SIZE[size].max_turns // 2
+        assert path is not None and 1 <= len(path) <= MAX_TURNS_BY_SIZE[size] // 2
         env = family.make(task)
-        assert isinstance(env, SokobanEnv) and type(env).max_turns == ENV_BY_SIZE[size].max_turns
+        assert isinstance(env, SokobanEnv) and env.max_turns == MAX_TURNS_BY_SIZE[size]
         assert play(env, path) == (1.0, True)
 
 

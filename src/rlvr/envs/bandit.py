@@ -83,7 +83,7 @@ def make_task(arms: list[dict[str, Any]]) -> Task:
 class BanditEnv(Env):
     """One single-turn bandit episode."""
 
-    max_turns: ClassVar[int] = 1
+    max_turns = 1
 
     def __init__(self, task: Task) -> None:
         self.task = task

@@ -55,9 +55,10 @@ class EnvStep:
 
 
 class Env(ABC):
-    """One episode. Subclasses implement `reset` and `step`; `max_turns` is the family's default cap."""
+    """One episode. Subclasses implement `reset` and `step`. `max_turns` is the default turn cap
+    (`rollout.max_turns` overrides it); a family may set it per instance, e.g. by puzzle size."""
 
-    max_turns: ClassVar[int] = 1
+    max_turns: int = 1
 
     @abstractmethod
     def reset(self) -> EnvReset: ...
@@ -209,7 +210,7 @@ class AnswerWithFeedbackEnv(Env):
     answer earns nothing extra).
     """
 
-    max_turns: ClassVar[int] = 2
+    max_turns = 2
     task: Task
 
     def __init__(self) -> None:

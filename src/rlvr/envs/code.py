@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 from pydantic import Field
 
@@ -114,7 +114,9 @@ class CodeFamily(EnvFamily):
         return make_task(specs[seed % len(specs)], self._opts().wall_seconds)
 
     def make(self, task: Task) -> Env:
-        return env_class(self._opts().max_turns)(task)
+        env = CodeEnv(task)
+        env.max_turns = self._opts().max_turns
+        return env
 
     def make_splits(
         self, num_train: int, num_heldout: int, heldout_fraction: float = 0.1
@@ -131,14 +133,6 @@ class CodeFamily(EnvFamily):
         heldout, train = tasks[:cut], tasks[cut:]
         train.sort(key=lambda t: t.id)
         return train[:num_train], heldout[:num_heldout]
-
-
-@cache
-def env_class(max_turns: int) -> type[CodeEnv]:
-    """CodeEnv with its turn cap set (the rollout engine reads `max_turns` from the env class)."""
-    if max_turns == CodeEnv.max_turns:
-        return CodeEnv
-    return cast("type[CodeEnv]", type(f"CodeEnv{max_turns}", (CodeEnv,), {"max_turns": max_turns}))
 
 
 def _cases(tests: list[Mapping[str, Any]], hidden: bool) -> list[TestCase]:

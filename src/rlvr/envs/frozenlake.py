@@ -99,7 +99,7 @@ class FrozenLakeOptions(EnvOptions):
 class FrozenLakeEnv(Env):
     """One FrozenLake episode on a 4x4 lake (subclasses set the turn cap of bigger lakes)."""
 
-    max_turns: ClassVar[int] = 8
+    max_turns = 8
 
     def __init__(self, task: Task, seed: int | None = None) -> None:
         rows = [str(r) for r in task.fields["rows"]]
@@ -169,19 +169,8 @@ class FrozenLakeEnv(Env):
         )
 
 
-class FrozenLake5Env(FrozenLakeEnv):
-    max_turns: ClassVar[int] = 10
-
-
-class FrozenLake6Env(FrozenLakeEnv):
-    max_turns: ClassVar[int] = 12
-
-
-ENV_BY_SIZE: dict[int, type[FrozenLakeEnv]] = {
-    4: FrozenLakeEnv,
-    5: FrozenLake5Env,
-    6: FrozenLake6Env,
-}
+# Turn cap by map size: bigger lakes need longer walks.
+MAX_TURNS_BY_SIZE: dict[int, int] = {4: 8, 5: 10, 6: 12}
 
 
 def make_task(rows: Sequence[str], slippery: bool = False) -> Task:
@@ -221,7 +210,7 @@ class FrozenLakeFamily(EnvFamily):
         assert isinstance(opts, FrozenLakeOptions)
         rng = random.Random(seed)
         n = opts.size
-        longest = ENV_BY_SIZE[n].max_turns - 2
+        longest = MAX_TURNS_BY_SIZE[n] - 2
         cells = [(r, c) for r in range(n) for c in range(n)]
         for _ in range(10_000):
             start, goal = rng.sample(cells, 2)
@@ -243,5 +232,6 @@ class FrozenLakeFamily(EnvFamily):
         with self._lock:
             k = self._made.get(task.id, 0)
             self._made[task.id] = k + 1
-        cls = ENV_BY_SIZE.get(len(task.fields["rows"]), FrozenLakeEnv)
-        return cls(task, seed=_seed_of(f"{task.id}#{k}"))
+        env = FrozenLakeEnv(task, seed=_seed_of(f"{task.id}#{k}"))
+        env.max_turns = MAX_TURNS_BY_SIZE.get(len(task.fields["rows"]), env.max_turns)
+        return env

@@ -150,7 +150,7 @@ class SokobanOptions(EnvOptions):
 class SokobanEnv(Env):
     """One Sokoban episode in a 5x5 room (subclasses set the turn cap of bigger rooms)."""
 
-    max_turns: ClassVar[int] = 10
+    max_turns = 10
 
     def __init__(self, task: Task) -> None:
         self.task = task
@@ -194,15 +194,8 @@ class SokobanEnv(Env):
         return EnvStep(messages=observation, rewards=rewards, info=info)
 
 
-class Sokoban6Env(SokobanEnv):
-    max_turns: ClassVar[int] = 14
-
-
-class Sokoban7Env(SokobanEnv):
-    max_turns: ClassVar[int] = 20
-
-
-ENV_BY_SIZE: dict[int, type[SokobanEnv]] = {5: SokobanEnv, 6: Sokoban6Env, 7: Sokoban7Env}
+# Turn cap by room size: bigger rooms need more pushes.
+MAX_TURNS_BY_SIZE: dict[int, int] = {5: 10, 6: 14, 7: 20}
 
 
 def make_task(rows: Sequence[str]) -> Task:
@@ -236,7 +229,7 @@ class SokobanFamily(EnvFamily):
         opts = self.options
         assert isinstance(opts, SokobanOptions)
         rng = random.Random(seed)
-        longest = ENV_BY_SIZE[opts.size].max_turns // 2
+        longest = MAX_TURNS_BY_SIZE[opts.size] // 2
         for _ in range(1000):
             rows = reverse_play(rng, opts.size, opts.num_boxes)
             if Room(rows).solved():
@@ -247,5 +240,6 @@ class SokobanFamily(EnvFamily):
         raise ConfigError(f"sokoban: no level found for seed {seed}; change task.env.options")
 
     def make(self, task: Task) -> Env:
-        cls = ENV_BY_SIZE.get(len(task.fields["rows"]), SokobanEnv)
-        return cls(task)
+        env = SokobanEnv(task)
+        env.max_turns = MAX_TURNS_BY_SIZE.get(len(task.fields["rows"]), env.max_turns)
+        return env
