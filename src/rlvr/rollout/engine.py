@@ -155,7 +155,7 @@ def _sample_turn(
 
 
 def _special_text(tokenizer: Any, token_id: int) -> str:
-    if token_id in set(getattr(tokenizer, "all_special_ids", ())):
+    if token_id in getattr(tokenizer, "all_special_ids", ()):
         return str(tokenizer.decode([token_id]))
     return ""
 

@@ -31,6 +31,7 @@ def collect_groups(
     f, group_size = cfg.filter, cfg.sampling.group_size
     sampled: list[Group] = []
     kept: list[Group] = []
+    stds: list[float] = []  # in-group reward std of every sampled group
     rounds = 0
     while True:
         rounds += 1
@@ -42,6 +43,7 @@ def collect_groups(
             torch.tensor([t.usable for t in trajs]),
             group_size,
         ).tolist()
+        stds.extend(std_P)
         keep = select_groups(std_P, f.group_filter, f.top_p, f.top_k_fraction, f.drop_zero_std)
         kept.extend(groups[i] for i in keep)
         if not f.dynamic_sampling or len(kept) >= cfg.sampling.prompts_per_step:
@@ -50,14 +52,8 @@ def collect_groups(
             break
     if f.dynamic_sampling:
         kept = kept[: cfg.sampling.prompts_per_step]
-    all_trajs = flatten(sampled)
-    std_all = group_reward_std(
-        torch.tensor([t.reward for t in all_trajs]),
-        torch.tensor([t.usable for t in all_trajs]),
-        group_size,
-    )
     metrics = {
-        "rollout/in_group_std": float(std_all.mean()),
+        "rollout/in_group_std": sum(stds) / len(stds),
         "rollout/filter_kept_ratio": len(kept) / len(sampled),
         "rollout/sampling_rounds": float(rounds),
     }
