@@ -189,6 +189,59 @@ class ObjectiveConfig(_Section):
     turn_weight: float = Field(
         1.0, ge=0.0, description="Weight of the turn advantage in bi-level credit."
     )
+    kl_in_reward: bool = Field(
+        False,
+        description="Put the KL penalty in the reward (per token, InstructGPT/REINFORCE++/PPO) "
+        "instead of in the loss (GRPO).",
+    )
+    tis_cap: float | None = Field(
+        None,
+        gt=0.0,
+        description="Truncated importance sampling: weight each token by min(pi_old / "
+        "pi_behaviour, cap) when another engine generates (Yao et al. 2025; 2.0 is usual).",
+    )
+    overlong_buffer_fraction: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="DAPO soft overlong punishment: completions in the last fraction of the "
+        "length limit lose up to overlong_penalty (linear), past it the full penalty.",
+    )
+    overlong_penalty: float = Field(1.0, ge=0.0, description="Size of the overlong punishment.")
+    mask_truncated: bool = Field(
+        False, description="DAPO overlong filtering: truncated completions get no loss."
+    )
+    gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (ppo).")
+    whiten_advantages: bool = Field(
+        True, description="ppo / token-level REINFORCE++: normalise advantages over the batch."
+    )
+
+
+class CriticConfig(_Section):
+    """The value model of `algorithm: ppo` (a transformer with a scalar head)."""
+
+    model: str | None = Field(
+        None, description="Model to start the critic from; None = the policy's."
+    )
+    learning_rate: float = Field(1e-5, gt=0.0, description="The critic's own learning rate.")
+    value_clip: float | None = Field(
+        0.2, gt=0.0, description="Clip value updates to old +- this (PPO2); None = no clipping."
+    )
+    warmup_steps: int = Field(
+        0, ge=0, description="Steps that train only the critic before the policy moves."
+    )
+    lora: LoraConfig = LoraConfig()
+
+
+class DistillConfig(_Section):
+    """On-policy distillation (`algorithm: distill`): the student samples, the teacher grades every token."""
+
+    teacher: str | None = Field(None, description="Teacher model: alias, directory or hub id.")
+    reward_weight: float = Field(
+        0.0,
+        ge=0.0,
+        description="Also follow the verifiable reward: loss = KL + reward_weight * GRPO loss.",
+    )
 
 
 class TrainConfig(_Section):
@@ -269,8 +322,76 @@ class MixtureComponent(_Section):
         return data
 
 
+AlgorithmName = Literal[
+    "grpo",
+    "dr_grpo",
+    "dapo",
+    "gspo",
+    "cispo",
+    "rloo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "ppo",
+    "distill",
+]
+
+# Per-algorithm defaults, applied under whatever the config sets (the user's value always wins).
+# Each is the setting of the paper named in docs/algorithms.md; anything absent keeps the field default.
+ALGORITHM_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
+    "grpo": {},
+    # Liu et al. 2025: no std scaling, a constant normaliser instead of per-sequence length.
+    "dr_grpo": {
+        "objective": {"scale_rewards": False, "loss_aggregation": "seq-mean-token-sum-norm"}
+    },
+    # Yu et al. 2025: clip-higher, token-level loss, soft overlong punishment, dynamic sampling.
+    "dapo": {
+        "objective": {
+            "epsilon": 0.2,
+            "epsilon_high": 0.28,
+            "loss_aggregation": "token-mean",
+            "overlong_buffer_fraction": 0.2,
+        },
+        "filter": {"drop_zero_std": True, "dynamic_sampling": True},
+    },
+    # Zheng et al. 2025: sequence-level ratio with a tiny clip range, sequence-mean loss.
+    "gspo": {
+        "objective": {
+            "epsilon": 3e-4,
+            "epsilon_high": 4e-4,
+            "loss_aggregation": "seq-mean-token-mean",
+        }
+    },
+    # Chen et al. 2025 (MiniMax-M1): no lower bound on the IS weight, only an upper one.
+    "cispo": {
+        "objective": {"epsilon": 1.0, "epsilon_high": 0.28, "loss_aggregation": "token-mean"}
+    },
+    # Ahmadian et al. 2024: leave-one-out baseline, no std scaling, sequence-level REINFORCE.
+    "rloo": {"objective": {"scale_rewards": False, "loss_aggregation": "seq-mean-token-sum-norm"}},
+    # Hu 2025: KL in the reward (k1 per token), batch-level normalisation.
+    "reinforce_pp": {"objective": {"kl_in_reward": True, "kl_estimator": "k1"}},
+    "reinforce_pp_baseline": {"objective": {"kl_in_reward": True, "kl_estimator": "k1"}},
+    # Schulman et al. 2017 + GAE (2016): per-token advantages from a critic; gamma 1 for LM episodes.
+    "ppo": {"objective": {"gae_lambda": 0.95, "gamma": 1.0, "kl_estimator": "k1"}},
+    # Agarwal et al. 2024 / Lu et al. 2025: reverse KL to a teacher on the student's samples.
+    "distill": {"objective": {"loss_aggregation": "token-mean"}},
+}
+
+
+def _merge_under(defaults: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """`data` over `defaults`, recursively for sections; `data` is not modified."""
+    merged = dict(defaults)
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge_under(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 class RunConfig(_Section):
-    algorithm: Literal["grpo"] = Field("grpo", description="Chooses advantage estimator and loss.")
+    algorithm: AlgorithmName = Field(
+        "grpo", description="Chooses advantage estimator, loss and their defaults."
+    )
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     rewards: list[RewardSpec] = Field(
@@ -285,6 +406,8 @@ class RunConfig(_Section):
     rollout: RolloutConfig = RolloutConfig()
     filter: FilterConfig = FilterConfig()
     objective: ObjectiveConfig = ObjectiveConfig()
+    critic: CriticConfig = CriticConfig()
+    distill: DistillConfig = DistillConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -296,6 +419,17 @@ class RunConfig(_Section):
     def _rewards_default(cls, data: Any) -> Any:
         if isinstance(data, dict) and "rewards" not in data and not data.get("mixture"):
             data = {**data, "rewards": _default_rewards(data.get("task", {}))}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            defaults = ALGORITHM_DEFAULTS.get(str(data.get("algorithm", "grpo")))
+            if (
+                defaults
+            ):  # an unknown name is left for the Literal check, which lists the valid ones
+                data = _merge_under(defaults, data)
         return data
 
     @model_validator(mode="after")
@@ -316,6 +450,16 @@ class RunConfig(_Section):
             raise ValueError(
                 "filter.dynamic_sampling needs something to filter: set filter.drop_zero_std "
                 "or filter.group_filter"
+            )
+        obj = self.objective
+        if self.algorithm == "ppo" and obj.credit != "trajectory":
+            raise ValueError(
+                "objective.credit is not used by ppo: GAE assigns credit per token from the critic "
+                "(turn rewards land on each turn's last token)"
+            )
+        if self.algorithm == "distill" and self.distill.teacher is None:
+            raise ValueError(
+                "algorithm 'distill' needs distill.teacher (a model alias or directory)"
             )
         if self.mixture:
             if {"task", "rewards"} & self.model_fields_set:

@@ -87,3 +87,82 @@ def group_reward_std(
     valid_P_G = valid_B.view(-1, group_size).to(rewards_B.dtype)
     _, std_P1 = _masked_group_stats(rewards_B.view(-1, group_size), valid_P_G)
     return std_P1.view(-1)
+
+
+@register_advantage("rloo")
+def rloo_advantages(
+    rewards_B: torch.Tensor, valid_B: torch.Tensor, group_size: int, **_: object
+) -> torch.Tensor:
+    """REINFORCE Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics").
+
+        A_i = r_i - mean_{j != i} r_j  =  n / (n - 1) * (r_i - mean(r_group))
+
+    with n the number of valid members of the group: each sample's baseline is the mean of the
+    *others*, so it is independent of the sample and the estimate unbiased. No std scaling. A group
+    with fewer than two valid members gets A = 0 (there is no other sample to compare with).
+    Shapes: (B,) in, (B,) out, group-major.
+    """
+    if rewards_B.numel() % group_size:
+        raise ValueError(f"{rewards_B.numel()} rewards do not split into groups of {group_size}")
+    valid_P_G = valid_B.view(-1, group_size).to(rewards_B.dtype)
+    rewards_P_G = rewards_B.view(-1, group_size) * valid_P_G
+    count_P1 = valid_P_G.sum(dim=1, keepdim=True)
+    others_mean_P_G = (rewards_P_G.sum(dim=1, keepdim=True) - rewards_P_G) / (count_P1 - 1).clamp(
+        min=1
+    )
+    advantages_P_G = (rewards_P_G - others_mean_P_G) * (count_P1 > 1)
+    return (advantages_P_G * valid_P_G).view(-1)
+
+
+def _batch_whiten(
+    values_B: torch.Tensor, valid_B: torch.Tensor, eps: float, shift: bool = True
+) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the valid entries of the whole batch (x / (std + eps) when not
+    `shift`); invalid entries -> 0. The std is Bessel-corrected like the group std."""
+    valid = valid_B.to(values_B.dtype)
+    count = valid.sum().clamp(min=1)
+    mean = (values_B * valid).sum() / count
+    std = ((((values_B - mean) * valid) ** 2).sum() / (count - 1).clamp(min=1)).sqrt()
+    return (values_B - (mean if shift else 0.0)) / (std + eps) * valid
+
+
+@register_advantage("reinforce_pp")
+def reinforce_pp_advantages(
+    rewards_B: torch.Tensor,
+    valid_B: torch.Tensor,
+    group_size: int,
+    eps: float = 1e-6,
+    **_: object,
+) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025), outcome form: the reward whitened over the whole *batch*.
+
+        A_i = (r_i - mean_batch(r)) / (std_batch(r) + eps)
+
+    No per-prompt baseline: the global normalisation is REINFORCE++'s answer to GRPO's per-group std
+    (which over-weights nearly-solved prompts). With `objective.kl_in_reward` the loop uses the
+    token-level form instead (per-token KL penalty, reward-to-go, then the same batch whitening).
+    """
+    del group_size
+    return _batch_whiten(rewards_B, valid_B, eps)
+
+
+@register_advantage("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(
+    rewards_B: torch.Tensor,
+    valid_B: torch.Tensor,
+    group_size: int,
+    eps: float = 1e-6,
+    **_: object,
+) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (Hu 2025, "REINFORCE++-baseline"): subtract the mean of the
+    prompt's group, then whiten over the batch.
+
+        A_i = (r_i - mean(r_group)) / (std_batch(r - mean(r_group)) + eps)
+
+    The centred values already have mean 0 over the batch, so only the scale is normalised: a group
+    with equal rewards keeps exactly A = 0 (its rows can then be skipped in the update).
+    """
+    valid_P_G = valid_B.view(-1, group_size).to(rewards_B.dtype)
+    mean_P1, _std = _masked_group_stats(rewards_B.view(-1, group_size), valid_P_G)
+    centred_B = ((rewards_B.view(-1, group_size) - mean_P1) * valid_P_G).view(-1)
+    return _batch_whiten(centred_B, valid_B, eps, shift=False)

@@ -41,6 +41,7 @@ def ppo_clip_loss(
     logprobs_B_T: torch.Tensor,
     old_logprobs_B_T: torch.Tensor,
     advantages_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor | None = None,
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
 ) -> PolicyLossOutput:
@@ -53,8 +54,10 @@ def ppo_clip_loss(
     low-probability tokens with positive advantage can grow ("clip-higher"). With on-policy data
     (one update per batch) ratio == 1 and this is exactly the REINFORCE gradient -A * grad(logp).
     A token is "clipped low" when ratio < 1 - epsilon with A < 0 and "clipped high" when
-    ratio > 1 + epsilon_high with A > 0: there the gradient is zero.
+    ratio > 1 + epsilon_high with A > 0: there the gradient is zero. `mask_B_T` is not needed (the
+    loss is per token); it is accepted so every policy loss has one signature.
     """
+    del mask_B_T
     high = epsilon if epsilon_high is None else epsilon_high
     ratio_B_T = torch.exp(logprobs_B_T - old_logprobs_B_T)
     unclipped_B_T = ratio_B_T * advantages_B_T
@@ -64,6 +67,108 @@ def ppo_clip_loss(
         clipped_low_B_T = ((ratio_B_T < 1.0 - epsilon) & (advantages_B_T < 0)).float()
         clipped_high_B_T = ((ratio_B_T > 1.0 + high) & (advantages_B_T > 0)).float()
     return PolicyLossOutput(loss_B_T, clipped_low_B_T, clipped_high_B_T)
+
+
+@register_policy_loss("gspo")
+def gspo_loss(
+    logprobs_B_T: torch.Tensor,
+    old_logprobs_B_T: torch.Tensor,
+    advantages_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor | None = None,
+    epsilon: float = 3e-4,
+    epsilon_high: float | None = 4e-4,
+) -> PolicyLossOutput:
+    """GSPO: the importance ratio and its clipping at the *sequence* level (Zheng et al. 2025, Qwen).
+
+        s_i     = exp( mean_{t in y_i} (logp_t - logp_old_t) )         (length-normalised ratio)
+        s_i,t   = sg(s_i) * exp(logp_t - sg(logp_t))                   (GSPO-token: same value as s_i,
+                                                                        gradient through each token)
+        loss_t  = -min(s_i,t * A_i,t, clip(s_i,t, 1 - eps, 1 + eps_high) * A_i,t)
+
+    With one advantage per sequence this is exactly GSPO; with per-token advantages (turn credit) it
+    is the paper's GSPO-token. A whole sequence is clipped or not, so one noisy token cannot veto its
+    sequence's update (the paper's argument for MoE stability). The paper's clip range is tiny
+    (3e-4 / 4e-4) because a length-normalised ratio stays near 1; use seq-mean-token-mean aggregation.
+    Shapes: (B, T) everywhere; `mask_B_T` marks the policy tokens the mean runs over.
+    """
+    if mask_B_T is None:
+        mask_B_T = torch.ones_like(logprobs_B_T)
+    mask = mask_B_T.to(logprobs_B_T.dtype)
+    high = epsilon if epsilon_high is None else epsilon_high
+    log_ratio_B = ((logprobs_B_T - old_logprobs_B_T) * mask).sum(dim=1) / mask.sum(dim=1).clamp(
+        min=1.0
+    )
+    seq_ratio_B_T = torch.exp(log_ratio_B.detach()[:, None] + logprobs_B_T - logprobs_B_T.detach())
+    unclipped_B_T = seq_ratio_B_T * advantages_B_T
+    clipped_B_T = torch.clamp(seq_ratio_B_T, 1.0 - epsilon, 1.0 + high) * advantages_B_T
+    loss_B_T = -torch.min(unclipped_B_T, clipped_B_T)
+    with torch.no_grad():
+        ratio_B1 = torch.exp(log_ratio_B)[:, None]
+        clipped_low_B_T = ((ratio_B1 < 1.0 - epsilon) & (advantages_B_T < 0)).float()
+        clipped_high_B_T = ((ratio_B1 > 1.0 + high) & (advantages_B_T > 0)).float()
+    return PolicyLossOutput(loss_B_T, clipped_low_B_T, clipped_high_B_T)
+
+
+@register_policy_loss("cispo")
+def cispo_loss(
+    logprobs_B_T: torch.Tensor,
+    old_logprobs_B_T: torch.Tensor,
+    advantages_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor | None = None,
+    epsilon: float = 1.0,
+    epsilon_high: float | None = 0.28,
+) -> PolicyLossOutput:
+    """CISPO: clip the importance-sampling *weight*, never the token (MiniMax-M1, Chen et al. 2025).
+
+        w_t    = sg( clip(exp(logp_t - logp_old_t), 1 - eps, 1 + eps_high) )
+        loss_t = -w_t * A_t * logp_t
+
+    PPO's min() zeroes the gradient of a clipped token; rare "fork" tokens (however, wait, ...) are
+    exactly the ones whose ratio leaves the range, so PPO stops learning them after the first
+    update. CISPO keeps every token's REINFORCE gradient and only bounds its weight. The paper sets
+    no lower bound (eps = 1 makes it 0) and tunes only eps_high; 0.28 follows verl/Trinity.
+    "Clipped" here means the weight was truncated (ratio outside the range, whatever A's sign).
+    """
+    del mask_B_T
+    high = epsilon if epsilon_high is None else epsilon_high
+    ratio_B_T = torch.exp(logprobs_B_T - old_logprobs_B_T).detach()
+    weight_B_T = torch.clamp(ratio_B_T, 1.0 - epsilon, 1.0 + high)
+    loss_B_T = -weight_B_T * advantages_B_T * logprobs_B_T
+    with torch.no_grad():
+        clipped_low_B_T = (ratio_B_T < 1.0 - epsilon).float()
+        clipped_high_B_T = (ratio_B_T > 1.0 + high).float()
+    return PolicyLossOutput(loss_B_T, clipped_low_B_T, clipped_high_B_T)
+
+
+def truncated_importance_weights(
+    old_logprobs_B_T: torch.Tensor, behaviour_logprobs_B_T: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance sampling for a generator that is not the trainer (Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training").
+
+        w_t = min( exp(logp_old_t - logp_behaviour_t), cap )          (detached)
+
+    The tokens were sampled by the generator (vLLM, another precision, a stale copy) whose
+    probabilities differ from the trainer's pi_old; multiplying each token's loss by w_t corrects the
+    mismatch, and the cap bounds the variance. Shapes (B, T); returns (B, T), no gradient.
+    """
+    return torch.exp(old_logprobs_B_T - behaviour_logprobs_B_T).clamp(max=cap).detach()
+
+
+def full_reverse_kl(
+    student_logprobs_B_T_V: torch.Tensor, teacher_logprobs_B_T_V: torch.Tensor
+) -> torch.Tensor:
+    """Per-position reverse KL(student || teacher) over the whole vocabulary, (B, T).
+
+        KL_t = sum_v p_s(v | y_<t) * (log p_s(v | y_<t) - log p_t(v | y_<t))
+
+    On-policy distillation (Agarwal et al. 2024, GKD; Lu et al. 2025, Thinking Machines): the student
+    samples y, the teacher grades every position, and minimising this dense, mode-seeking divergence
+    on the student's own states needs no reward. Summing over the vocabulary (rather than using the
+    sampled token's log-ratio) removes the sampling variance at each position.
+    """
+    student_probs = student_logprobs_B_T_V.exp()
+    return (student_probs * (student_logprobs_B_T_V - teacher_logprobs_B_T_V)).sum(dim=-1)
 
 
 def _register_kl(

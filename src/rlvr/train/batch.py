@@ -116,6 +116,31 @@ def token_logprobs(
     fp32 whatever the matmul dtype. The entropy is detached (a metric) unless `entropy_grad` asks for
     its gradient (an entropy bonus).
     """
+    logprobs_B_C, entropy_B_C, _ = token_distributions(
+        model,
+        batch,
+        temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        bf16=bf16,
+        share_prefix=share_prefix,
+    )
+    return logprobs_B_C, entropy_B_C
+
+
+def token_distributions(
+    model: Any,
+    batch: TrainBatch,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    bf16: bool = False,
+    share_prefix: bool = True,
+    with_full: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`token_logprobs` plus, when `with_full`, the whole next-token log-distribution (B, C, V) at each
+    completion position (distillation compares it with a teacher's)."""
     # Gradient checkpointing makes HF drop the KV cache in training mode, so the shared prefix cannot
     # be carried to the completions: take the plain path then.
     checkpointing = model.training and _activation_checkpointing(model)
@@ -131,7 +156,7 @@ def token_logprobs(
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy_B_C = -(logprobs_B_C_V.exp() * logprobs_B_C_V).sum(dim=-1)
-    return logprobs_B_C, entropy_B_C
+    return logprobs_B_C, entropy_B_C, logprobs_B_C_V if with_full else None
 
 
 def _plain_logits(model: Any, batch: TrainBatch) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,9 @@ def save_checkpoint(
     sampler_state: dict[str, Any],
     extra_state: dict[str, Any],
     keep_last: int,
+    save_extra: Callable[[Path], None] | None = None,
 ) -> Path:
+    """Write step's checkpoint atomically; `save_extra(dir)` adds more state (ppo's critic)."""
     final = run_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -70,6 +73,8 @@ def save_checkpoint(
     (tmp / "state.json").write_text(
         json.dumps({"step": step, "sampler": sampler_state, **extra_state}, indent=1)
     )
+    if save_extra is not None:
+        save_extra(tmp)
     # Rename last: a crash mid-save leaves a .tmp directory, never a checkpoint that looks complete.
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

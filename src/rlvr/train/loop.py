@@ -21,9 +21,7 @@ How this departs from the paper, on purpose:
 
 from __future__ import annotations
 
-import math
 import random
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,17 +33,11 @@ import numpy as np
 import torch
 import yaml
 
-from rlvr.algorithms import (
-    ALGORITHMS,
-    KL_ESTIMATORS,
-    POLICY_LOSSES,
-    aggregate,
-)
-from rlvr.build import build_generator, build_optimizer, build_policy, rollout_limits, use_bf16
+from rlvr.algorithms import ALGORITHMS
+from rlvr.build import build_generator, build_optimizer, build_policy, rollout_limits
 from rlvr.config import RewardSpec, RunConfig, TaskConfig, config_to_dict, load_config
 from rlvr.errors import RewardError
 from rlvr.evaluate import evaluate_sources
-from rlvr.models import Policy
 from rlvr.observe.inspect import trajectory_rows, write_step_trajectories
 from rlvr.observe.metrics import (
     agent_metrics,
@@ -59,15 +51,16 @@ from rlvr.records import Group, Task, Trajectory, flatten
 from rlvr.rollout.engine import rollout_groups
 from rlvr.rollout.generator import SamplingParams
 from rlvr.tasks import TaskSplits
-from rlvr.train.batch import TrainBatch, collate, token_logprobs
 from rlvr.train.checkpoint import (
     latest_checkpoint,
     load_training_state,
     load_weights_into,
     save_checkpoint,
 )
+from rlvr.train.companions import RunCritic, build_teacher
 from rlvr.train.selection import assign_credit, collect_groups
 from rlvr.train.sources import Sources
+from rlvr.train.update import policy_update, reference_logprobs
 
 
 @dataclass
@@ -82,163 +75,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-# ---------------------------------------------------------------------------------------------- update
-def policy_update(
-    policy: Policy,
-    optimizer: torch.optim.Optimizer,
-    trajectories: Sequence[Trajectory],
-    token_advantages: Sequence[Sequence[float]],
-    cfg: RunConfig,
-) -> dict[str, float]:
-    """num_iterations optimizer steps on one batch; returns the update's metrics.
-
-    `token_advantages[i]` has one advantage per completion token of trajectory i (0 where the policy
-    did not sample: observations, glue); see rlvr.algorithms.credit.
-
-    Micro-batches accumulate gradients; the aggregation's normalisers are counted over the whole
-    batch, so the accumulated gradient equals the full-batch gradient.
-    """
-    obj, model = cfg.objective, policy.model
-    bf16 = use_bf16(cfg.model)
-    loss_fn = POLICY_LOSSES[ALGORITHMS[cfg.algorithm].policy_loss]
-    usable = [i for i, t in enumerate(trajectories) if t.usable]
-    if not usable:
-        return {"update/skipped": 1.0}
-    # Rows of one prompt together (its forward pass is shared), similar lengths together (less padding).
-    first_seen: dict[str, int] = {}
-    for i in usable:
-        first_seen.setdefault(trajectories[i].task_id, i)
-    usable.sort(key=lambda i: (first_seen[trajectories[i].task_id], len(trajectories[i].token_ids)))
-    # With no KL and no entropy term, a row whose advantage is 0 adds exactly 0 to the gradient: skip
-    # its forward and backward. The normalisers below still count it, so the update is unchanged
-    # (tested). Late in a run most groups are all-right or all-wrong, so this saves most of the update.
-    skip_zero = cfg.train.skip_zero_advantage_rows and obj.beta == 0 and obj.entropy_coef == 0
-    forwarded = [i for i in usable if not (skip_zero and not any(token_advantages[i]))]
-    chunks = [
-        forwarded[s : s + cfg.train.micro_batch_size]
-        for s in range(0, len(forwarded), cfg.train.micro_batch_size)
-    ]
-    pad_id = int(policy.tokenizer.pad_token_id)
-    batches: list[TrainBatch] = []
-    for chunk in chunks:
-        batches.append(
-            collate([trajectories[i] for i in chunk], [token_advantages[i] for i in chunk], pad_id)
-        )
-    total_tokens = float(sum(trajectories[i].num_policy_tokens for i in usable))
-    total_seqs = float(len(usable))
-    forwarded_tokens = float(sum(b.mask_B_C.sum() for b in batches))
-    norms = {
-        "total_tokens": total_tokens,
-        "total_sequences": total_seqs,
-        "norm_length": float(cfg.sampling.max_new_tokens),
-    }
-    temperature = cfg.sampling.temperature
-    share = cfg.train.share_prompt_prefix
-
-    model.eval()  # pi_old and pi_ref are scored without dropout; the gradient pass below trains
-    with torch.no_grad():
-        old_logprobs = (
-            [
-                token_logprobs(model, b, temperature, bf16=bf16, share_prefix=share)[0]
-                for b in batches
-            ]
-            if obj.num_iterations > 1
-            else None
-        )
-        ref_logprobs = None
-        if obj.beta > 0:
-            with policy.reference() as ref:
-                ref_logprobs = [
-                    token_logprobs(ref, b, temperature, bf16=bf16, share_prefix=share)[0]
-                    for b in batches
-                ]
-
-    sums: dict[str, float] = {}
-
-    def add(name: str, value: torch.Tensor) -> None:
-        sums[name] = sums.get(name, 0.0) + float(value)
-
-    model.train()
-    skipped = 0
-    grad_norms: list[float] = []
-    for _ in range(obj.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
-        for i, b in enumerate(batches):
-            logp_B_C, entropy_B_C = token_logprobs(
-                model,
-                b,
-                temperature,
-                with_entropy=True,
-                entropy_grad=obj.entropy_coef > 0,
-                bf16=bf16,
-                share_prefix=share,
-            )
-            assert entropy_B_C is not None
-            old_B_C = logp_B_C.detach() if old_logprobs is None else old_logprobs[i]
-            out = loss_fn(
-                logp_B_C,
-                old_B_C,
-                b.advantages_B_C,
-                epsilon=obj.epsilon,
-                epsilon_high=obj.epsilon_high,
-            )
-            per_token_B_C = out.loss_B_T
-            if ref_logprobs is not None:
-                kl_B_C = KL_ESTIMATORS[obj.kl_estimator](logp_B_C, ref_logprobs[i])
-                per_token_B_C = per_token_B_C + obj.beta * kl_B_C
-                add("kl", (kl_B_C.detach() * b.mask_B_C).sum())
-            if obj.entropy_coef > 0:
-                per_token_B_C = per_token_B_C - obj.entropy_coef * entropy_B_C
-            loss = aggregate(per_token_B_C, b.mask_B_C, obj.loss_aggregation, **norms)
-            loss.backward()
-            mask = b.mask_B_C
-            add("loss", loss.detach())
-            add("entropy", (entropy_B_C.detach() * mask).sum())
-            add("clip_ratio/low_mean", (out.clipped_low_B_T * mask).sum())
-            add("clip_ratio/high_mean", (out.clipped_high_B_T * mask).sum())
-            add(
-                "behaviour_logprob_diff",
-                ((logp_B_C.detach() - b.behaviour_logprobs_B_C).abs() * mask).sum(),
-            )
-        for p in policy.trainable_parameters():
-            if p.grad is None:  # every row skipped: a zero gradient, so AdamW still steps as usual
-                p.grad = torch.zeros_like(p)
-        grad_norm = float(
-            torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.train.max_grad_norm)
-        )
-        if not math.isfinite(grad_norm):
-            skipped += 1  # a non-finite gradient would poison the weights: skip this step, count it
-            optimizer.zero_grad(set_to_none=True)
-            continue
-        grad_norms.append(grad_norm)
-        optimizer.step()
-
-    n_tok = total_tokens * obj.num_iterations
-    n_fwd = forwarded_tokens * obj.num_iterations
-
-    def per_token(name: str, denominator: float) -> float:
-        return sums.get(name, 0.0) / denominator if denominator else float("nan")
-
-    metrics = {
-        "loss": sums.get("loss", 0.0) / obj.num_iterations,
-        # Entropy over the rows that were forwarded (all of them unless zero-advantage rows were skipped).
-        "entropy": per_token("entropy", n_fwd),
-        # Skipped rows have A = 0 and so cannot be clipped: the whole batch is the denominator.
-        "clip_ratio/low_mean": per_token("clip_ratio/low_mean", n_tok),
-        "clip_ratio/high_mean": per_token("clip_ratio/high_mean", n_tok),
-        "clip_ratio/region_mean": per_token("clip_ratio/low_mean", n_tok)
-        + per_token("clip_ratio/high_mean", n_tok),
-        "grad_norm": statistics.fmean(grad_norms) if grad_norms else float("nan"),
-        "update/skipped_nonfinite": float(skipped),
-        "update/rows_forwarded_frac": len(forwarded) / len(usable),
-        # Generator vs trainer log-prob gap on the same tokens (numerics, or a stale/other engine).
-        "update/behaviour_logprob_abs_diff": per_token("behaviour_logprob_diff", n_fwd),
-    }
-    if "kl" in sums:
-        metrics["kl"] = per_token("kl", n_tok)
-    return metrics
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -272,6 +108,9 @@ def train(
     generator = build_generator(policy, cfg)
     optimizer, scheduler = build_optimizer(policy, cfg)
     spec = ALGORITHMS[cfg.algorithm]
+    # ppo's value model and distill's teacher: built only for the algorithms that use them.
+    critic = RunCritic(cfg, int(tokenizer.pad_token_id)) if spec.needs_critic else None
+    teacher = build_teacher(cfg, policy) if spec.needs_teacher else None
     group_size = cfg.sampling.group_size
     sampling = SamplingParams(
         n=group_size,
@@ -302,6 +141,8 @@ def train(
     if resume:
         checkpoint = latest_checkpoint(run_dir)
         load_weights_into(policy.model, checkpoint, policy.lora)
+        if critic is not None:
+            critic.load(checkpoint)
         state, generator_rng = load_training_state(checkpoint, optimizer, scheduler)
         generator.set_state(generator_rng)
         sources.load_state_dict(state["sampler"])
@@ -330,6 +171,7 @@ def train(
             sampler_state=sources.state_dict(),
             extra_state={"algorithm": cfg.algorithm},
             keep_last=cfg.checkpoint.keep_last,
+            save_extra=critic.save if critic is not None else None,
         )
 
     try:
@@ -349,10 +191,22 @@ def train(
             )
             trajectories = flatten(kept)
             t_rollout = time.time() - t0
-            # 2. group-relative advantages over the rollouts that scored, then per-token credit
-            token_adv = assign_credit(trajectories, cfg, spec.advantage)
-            # 3. the policy update
-            update = policy_update(policy, optimizer, trajectories, token_adv, cfg)
+            # 2. advantages over the rollouts that scored, then per-token credit; KL in the reward
+            #    needs the reference's log-probs first, ppo the critic's values
+            ref_logprobs = reference_logprobs(policy, trajectories, cfg)
+            values = critic.token_values(trajectories) if critic is not None else None
+            credit = assign_credit(
+                trajectories, cfg, spec.advantage, ref_logprobs=ref_logprobs, values=values
+            )
+            token_adv = credit.token_advantages
+            # 3. the update: the critic towards its returns, the policy along its advantages
+            update = dict(credit.metrics)
+            if critic is not None:
+                update.update(critic.update(trajectories, credit))
+            if critic is None or step > cfg.critic.warmup_steps:
+                update.update(
+                    policy_update(policy, optimizer, trajectories, token_adv, cfg, teacher=teacher)
+                )
             metrics = {
                 **rollout_metrics(sampled, sources.reward_names, group_size),
                 **agent_metrics(flatten(sampled)),

@@ -9,12 +9,15 @@ are pure functions with hand-worked tests.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from rlvr.algorithms import ADVANTAGE_ESTIMATORS, group_reward_std
+from rlvr.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, group_reward_std
 from rlvr.algorithms.credit import token_advantages, turn_advantages
 from rlvr.algorithms.filtering import select_groups
+from rlvr.algorithms.gae import gae_advantages, reinforce_pp_returns, whiten
+from rlvr.algorithms.shaping import soft_overlong_penalty
 from rlvr.config import RunConfig
 from rlvr.records import Group, Trajectory, flatten
 
@@ -60,22 +63,140 @@ def collect_groups(
     return sampled, kept, metrics
 
 
+@dataclass
+class Credit:
+    """What the update needs from credit assignment: per-token advantages (one list per trajectory,
+    one value per completion token) and, for ppo, the critic's targets and its old values."""
+
+    token_advantages: list[list[float]]
+    returns: list[list[float]] | None = None
+    old_values: list[list[float]] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def token_rewards(
+    trajectory: Trajectory,
+    extra_outcome: float = 0.0,
+    kl: Sequence[float] | None = None,
+    beta: float = 0.0,
+) -> list[float]:
+    """Per completion token rewards: each turn's reward on the last token the policy sampled in that
+    turn (single-turn: the outcome on the last token), plus `extra_outcome` (shaping) on the very last
+    one, minus beta * KL_t on every policy token when the KL is in the reward."""
+    n_prompt = trajectory.prompt_length
+    mask = trajectory.policy_mask[n_prompt:]
+    out = [0.0] * len(mask)
+    turn_rewards = list(trajectory.turn_rewards) or [trajectory.reward]
+    spans = list(trajectory.turns)
+    last_policy = [t for t, m in enumerate(mask) if m]
+    if not last_policy:
+        return out
+    ends: list[int] = []
+    for span in spans:
+        inside = [t - n_prompt for t in range(span.start, span.end) if trajectory.policy_mask[t]]
+        ends.append(inside[-1] if inside else last_policy[-1])
+    if len(ends) != len(turn_rewards):  # a record without turn spans: all reward at the end
+        ends, turn_rewards = [last_policy[-1]], [trajectory.reward]
+    for end, value in zip(ends, turn_rewards, strict=True):
+        out[end] += value
+    out[last_policy[-1]] += extra_outcome
+    if kl is not None and beta:
+        out = [r - beta * k if m else r for r, k, m in zip(out, kl, mask, strict=True)]
+    return out
+
+
+def _padded(rows: Sequence[Sequence[float]]) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(list(row), dtype=torch.float32)
+    return out
+
+
+def _unpadded(tensor_B_T: torch.Tensor, rows: Sequence[Sequence[float]]) -> list[list[float]]:
+    return [tensor_B_T[i, : len(r)].tolist() for i, r in enumerate(rows)]
+
+
 def assign_credit(
-    trajectories: Sequence[Trajectory], cfg: RunConfig, estimator: str
-) -> list[list[float]]:
-    """Per-token advantages for each trajectory (completion tokens), as `objective.credit` says."""
+    trajectories: Sequence[Trajectory],
+    cfg: RunConfig,
+    estimator: str,
+    *,
+    ref_logprobs: Sequence[Sequence[float]] | None = None,
+    values: Sequence[Sequence[float]] | None = None,
+) -> Credit:
+    """Per-token advantages for each trajectory (completion tokens), as the algorithm says.
+
+    Shaping first (DAPO's soft overlong punishment), then the KL penalty when it is in the reward
+    (`ref_logprobs` given: per completion token, under the reference), then one of
+    - "gae" (ppo): per-token rewards, GAE against the critic's `values`, whitened over the batch;
+    - token-level REINFORCE++ (reinforce_pp with the KL in the reward): reward-to-go per token,
+      whitened over the batch;
+    - an outcome estimator (grpo, rloo, ...): one advantage per trajectory (the KL summed into its
+      reward), spread over tokens as `objective.credit` says.
+    """
     if not trajectories:
-        return []
+        return Credit([])
     obj, group_size = cfg.objective, cfg.sampling.group_size
-    rewards_B = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    shaping_B = torch.zeros(len(trajectories))
+    if obj.overlong_buffer_fraction is not None:
+        shaping_B = _overlong_shaping(trajectories, cfg)
+        metrics["overlong/penalty_mean"] = float(shaping_B.mean())
+        metrics["overlong/penalised_frac"] = float((shaping_B < 0).float().mean())
     valid_B = torch.tensor([t.usable for t in trajectories])
+    masks = [[float(m) for m in t.policy_mask[t.prompt_length :]] for t in trajectories]
+    kl_rows: list[list[float]] | None = None
+    if ref_logprobs is not None and obj.beta > 0:
+        kl_fn = KL_ESTIMATORS[obj.kl_estimator]
+        kl_rows = []
+        # KL of the sampling policy's tokens (the behaviour log-probs) from the reference's.
+        for t, ref, mask in zip(trajectories, ref_logprobs, masks, strict=True):
+            behaviour = torch.tensor(t.logprobs[t.prompt_length :], dtype=torch.float32)
+            kl = kl_fn(behaviour, torch.tensor(list(ref), dtype=torch.float32))
+            kl_rows.append((kl * torch.tensor(mask)).tolist())
+        n_tokens = sum(sum(m) for m in masks)
+        metrics["kl"] = sum(sum(r) for r in kl_rows) / max(n_tokens, 1.0)
+
+    token_level = estimator == "gae" or (estimator == "reinforce_pp" and kl_rows is not None)
+    if token_level:
+        rewards = [
+            token_rewards(t, float(shaping_B[i]), kl_rows[i] if kl_rows else None, obj.beta)
+            if t.usable
+            else [0.0] * len(masks[i])
+            for i, t in enumerate(trajectories)
+        ]
+        rewards_B_T, mask_B_T = _padded(rewards), _padded(masks)
+        mask_B_T = mask_B_T * valid_B[:, None].float()
+        if estimator == "gae":
+            assert values is not None, "ppo needs the critic's values"
+            values_B_T = _padded(values) * mask_B_T
+            adv_B_T, returns_B_T = gae_advantages(
+                rewards_B_T, values_B_T, mask_B_T, obj.gamma, obj.gae_lambda
+            )
+            if obj.whiten_advantages:
+                adv_B_T = whiten(adv_B_T, mask_B_T)
+            return Credit(
+                _unpadded(adv_B_T * mask_B_T, masks),
+                returns=_unpadded(returns_B_T, masks),
+                old_values=_unpadded(values_B_T, masks),
+                metrics=metrics,
+            )
+        returns_B_T = reinforce_pp_returns(rewards_B_T, mask_B_T, obj.gamma)
+        adv_B_T = whiten(returns_B_T, mask_B_T) if obj.whiten_advantages else returns_B_T
+        return Credit(_unpadded(adv_B_T * mask_B_T, masks), metrics=metrics)
+
+    rewards_B = torch.tensor([t.reward for t in trajectories], dtype=torch.float32) + shaping_B
+    if kl_rows is not None:
+        rewards_B = rewards_B - obj.beta * torch.tensor([sum(r) for r in kl_rows])
     advantages_B = ADVANTAGE_ESTIMATORS[estimator](
         rewards_B, valid_B, group_size, scale_rewards=obj.scale_rewards
     ).tolist()
     if obj.credit == "trajectory":
-        return [
-            token_advantages(t, a, None) for t, a in zip(trajectories, advantages_B, strict=True)
-        ]
+        return Credit(
+            [token_advantages(t, a, None) for t, a in zip(trajectories, advantages_B, strict=True)],
+            metrics=metrics,
+        )
     per_turn = turn_advantages(
         [list(t.turn_rewards) for t in trajectories],
         valid_B.tolist(),
@@ -84,7 +205,28 @@ def assign_credit(
         scale=obj.scale_rewards,
     )
     outcome = advantages_B if obj.credit == "bi-level" else [0.0] * len(trajectories)
-    return [
-        token_advantages(t, a, turns, obj.turn_weight if obj.credit == "bi-level" else 1.0)
-        for t, a, turns in zip(trajectories, outcome, per_turn, strict=True)
-    ]
+    weight = obj.turn_weight if obj.credit == "bi-level" else 1.0
+    return Credit(
+        [
+            token_advantages(t, a, turns, weight)
+            for t, a, turns in zip(trajectories, outcome, per_turn, strict=True)
+        ],
+        metrics=metrics,
+    )
+
+
+def _overlong_shaping(trajectories: Sequence[Trajectory], cfg: RunConfig) -> torch.Tensor:
+    """DAPO's soft overlong penalty per trajectory. The limit is max_new_tokens for a one-turn
+    episode and rollout.max_total_tokens (sampled tokens + observations) for a multi-turn one."""
+    fraction = cfg.objective.overlong_buffer_fraction
+    assert fraction is not None
+    lengths, limits = [], []
+    for t in trajectories:
+        single = len(t.turns) <= 1
+        limit = cfg.sampling.max_new_tokens if single else cfg.rollout.max_total_tokens
+        lengths.append(t.num_policy_tokens if single else len(t.token_ids) - t.prompt_length)
+        limits.append(limit)
+    limits_B = torch.tensor(limits, dtype=torch.float32)
+    return soft_overlong_penalty(
+        torch.tensor(lengths), limits_B, limits_B * fraction, cfg.objective.overlong_penalty
+    )

@@ -1,0 +1,271 @@
+"""The policy update: micro-batched forward/backward of the clipped surrogate and its guard rails.
+
+    loss_t = w_t * L_pg(r_t, A_t) + beta * KL_est(pi || pi_ref)_t - c_H * H_t  [+ KL(pi || teacher)_t]
+
+L_pg is the algorithm's policy loss (PPO-clip, GSPO, CISPO; rlvr.algorithms.losses), w_t the truncated
+importance weight when `objective.tis_cap` is set, the KL term is here only when it is not in the
+reward (`objective.kl_in_reward`), and the teacher term only for `algorithm: distill`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rlvr.algorithms import (
+    ALGORITHMS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    aggregate,
+    full_reverse_kl,
+    truncated_importance_weights,
+)
+from rlvr.build import use_bf16
+from rlvr.config import RunConfig
+from rlvr.models import Policy
+from rlvr.records import Trajectory
+from rlvr.train.batch import TrainBatch, collate, token_distributions, token_logprobs
+
+
+def micro_batches(
+    trajectories: Sequence[Trajectory], indices: Sequence[int], size: int
+) -> list[list[int]]:
+    """Split `indices` into micro-batches of `size`: rows of one prompt together (its forward pass is
+    shared), similar lengths together (less padding)."""
+    first_seen: dict[str, int] = {}
+    for i in indices:
+        first_seen.setdefault(trajectories[i].task_id, i)
+    ordered = sorted(
+        indices, key=lambda i: (first_seen[trajectories[i].task_id], len(trajectories[i].token_ids))
+    )
+    return [ordered[s : s + size] for s in range(0, len(ordered), size)]
+
+
+def per_token_scores(
+    score: Callable[[TrainBatch], torch.Tensor],
+    trajectories: Sequence[Trajectory],
+    cfg: RunConfig,
+    pad_token_id: int,
+) -> list[list[float]]:
+    """`score(batch) -> (B, C)` (reference log-probs, critic values) for every usable trajectory, as one
+    list per trajectory with a value per completion token (zeros for a trajectory that did not score).
+    Runs without gradient, micro-batched like the update."""
+    out = [[0.0] * (len(t.token_ids) - t.prompt_length) for t in trajectories]
+    usable = [i for i, t in enumerate(trajectories) if t.usable]
+    with torch.no_grad():
+        for chunk in micro_batches(trajectories, usable, cfg.train.micro_batch_size):
+            rows = [trajectories[i] for i in chunk]
+            zeros = [[0.0] * (len(t.token_ids) - t.prompt_length) for t in rows]
+            scores_B_C = score(collate(rows, zeros, pad_token_id))
+            for row, i in enumerate(chunk):
+                out[i] = scores_B_C[row, : len(out[i])].tolist()
+    return out
+
+
+def trains_on(trajectory: Trajectory, cfg: RunConfig) -> bool:
+    """Whether a trajectory enters the loss: it scored, and (DAPO overlong filtering) was not cut off."""
+    if not trajectory.usable:
+        return False
+    return not (cfg.objective.mask_truncated and trajectory.finish_reason == "length")
+
+
+def policy_update(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    trajectories: Sequence[Trajectory],
+    token_advantages: Sequence[Sequence[float]],
+    cfg: RunConfig,
+    *,
+    teacher: Any = None,
+) -> dict[str, float]:
+    """num_iterations optimizer steps on one batch; returns the update's metrics.
+
+    `token_advantages[i]` has one advantage per completion token of trajectory i (0 where the policy
+    did not sample: observations, glue); see rlvr.algorithms.credit. `teacher` (algorithm: distill)
+    is the model whose full next-token distribution the student's is pulled towards.
+
+    Micro-batches accumulate gradients; the aggregation's normalisers are counted over the whole
+    batch, so the accumulated gradient equals the full-batch gradient.
+    """
+    obj, model = cfg.objective, policy.model
+    bf16 = use_bf16(cfg.model)
+    loss_fn = POLICY_LOSSES[ALGORITHMS[cfg.algorithm].policy_loss]
+    usable = [i for i, t in enumerate(trajectories) if trains_on(t, cfg)]
+    if not usable:
+        return {"update/skipped": 1.0}
+    kl_in_loss = obj.beta > 0 and not obj.kl_in_reward
+    pg_weight = 1.0 if teacher is None else cfg.distill.reward_weight
+    # With no KL, entropy or teacher term, a row whose advantage is 0 adds exactly 0 to the gradient:
+    # skip its forward and backward. The normalisers below still count it, so the update is
+    # unchanged (tested). Late in a run most groups are all-right or all-wrong: this saves most of it.
+    skip_zero = (
+        cfg.train.skip_zero_advantage_rows
+        and not kl_in_loss
+        and obj.entropy_coef == 0
+        and teacher is None
+    )
+    forwarded = [i for i in usable if not (skip_zero and not any(token_advantages[i]))]
+    pad_id = int(policy.tokenizer.pad_token_id)
+    batches: list[TrainBatch] = [
+        collate([trajectories[i] for i in chunk], [token_advantages[i] for i in chunk], pad_id)
+        for chunk in micro_batches(trajectories, forwarded, cfg.train.micro_batch_size)
+    ]
+    total_tokens = float(sum(trajectories[i].num_policy_tokens for i in usable))
+    forwarded_tokens = float(sum(b.mask_B_C.sum() for b in batches))
+    norms = {
+        "total_tokens": total_tokens,
+        "total_sequences": float(len(usable)),
+        "norm_length": float(cfg.sampling.max_new_tokens),
+    }
+    temperature = cfg.sampling.temperature
+    share = cfg.train.share_prompt_prefix
+
+    def logprobs_of(m: Any, b: TrainBatch) -> torch.Tensor:
+        return token_logprobs(m, b, temperature, bf16=bf16, share_prefix=share)[0]
+
+    model.eval()  # pi_old and pi_ref are scored without dropout; the gradient pass below trains
+    with torch.no_grad():
+        needs_old = obj.num_iterations > 1 or obj.tis_cap is not None
+        old_logprobs = [logprobs_of(model, b) for b in batches] if needs_old else None
+        ref_logprobs = None
+        if kl_in_loss:
+            with policy.reference() as ref:
+                ref_logprobs = [logprobs_of(ref, b) for b in batches]
+
+    sums: dict[str, float] = {}
+
+    def add(name: str, value: torch.Tensor) -> None:
+        sums[name] = sums.get(name, 0.0) + float(value)
+
+    model.train()
+    skipped = 0
+    grad_norms: list[float] = []
+    for _ in range(obj.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        for i, b in enumerate(batches):
+            mask = b.mask_B_C
+            logp_B_C, entropy_B_C, full_B_C_V = token_distributions(
+                model,
+                b,
+                temperature,
+                with_entropy=True,
+                entropy_grad=obj.entropy_coef > 0,
+                bf16=bf16,
+                share_prefix=share,
+                with_full=teacher is not None,
+            )
+            assert entropy_B_C is not None
+            old_B_C = logp_B_C.detach() if old_logprobs is None else old_logprobs[i]
+            out = loss_fn(
+                logp_B_C,
+                old_B_C,
+                b.advantages_B_C,
+                mask,
+                epsilon=obj.epsilon,
+                epsilon_high=obj.epsilon_high,
+            )
+            per_token_B_C = out.loss_B_T * pg_weight
+            if obj.tis_cap is not None:
+                weights_B_C = truncated_importance_weights(
+                    old_B_C, b.behaviour_logprobs_B_C, obj.tis_cap
+                )
+                per_token_B_C = per_token_B_C * weights_B_C
+                add("tis_weight", (weights_B_C * mask).sum())
+                add("tis_capped", ((weights_B_C >= obj.tis_cap) * mask).sum())
+            if ref_logprobs is not None:
+                kl_B_C = KL_ESTIMATORS[obj.kl_estimator](logp_B_C, ref_logprobs[i])
+                per_token_B_C = per_token_B_C + obj.beta * kl_B_C
+                add("kl", (kl_B_C.detach() * mask).sum())
+            if obj.entropy_coef > 0:
+                per_token_B_C = per_token_B_C - obj.entropy_coef * entropy_B_C
+            if teacher is not None:
+                assert full_B_C_V is not None
+                with torch.no_grad():
+                    teacher_B_C_V = token_distributions(
+                        teacher, b, temperature, bf16=bf16, share_prefix=share
+                    )[2]
+                assert teacher_B_C_V is not None
+                distill_B_C = full_reverse_kl(full_B_C_V, teacher_B_C_V)
+                per_token_B_C = per_token_B_C + distill_B_C
+                add("distill", (distill_B_C.detach() * mask).sum())
+            loss = aggregate(per_token_B_C, mask, obj.loss_aggregation, **norms)
+            loss.backward()
+            add("loss", loss.detach())
+            add("entropy", (entropy_B_C.detach() * mask).sum())
+            add("clip_ratio/low_mean", (out.clipped_low_B_T * mask).sum())
+            add("clip_ratio/high_mean", (out.clipped_high_B_T * mask).sum())
+            add(
+                "behaviour_logprob_diff",
+                ((logp_B_C.detach() - b.behaviour_logprobs_B_C).abs() * mask).sum(),
+            )
+        for p in policy.trainable_parameters():
+            if p.grad is None:  # every row skipped: a zero gradient, so AdamW still steps as usual
+                p.grad = torch.zeros_like(p)
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.train.max_grad_norm)
+        )
+        if not math.isfinite(grad_norm):
+            skipped += 1  # a non-finite gradient would poison the weights: skip this step, count it
+            optimizer.zero_grad(set_to_none=True)
+            continue
+        grad_norms.append(grad_norm)
+        optimizer.step()
+
+    n_tok = total_tokens * obj.num_iterations
+    n_fwd = forwarded_tokens * obj.num_iterations
+
+    def per_token(name: str, denominator: float) -> float:
+        return sums.get(name, 0.0) / denominator if denominator else float("nan")
+
+    metrics = {
+        "loss": sums.get("loss", 0.0) / obj.num_iterations,
+        # Entropy over the rows that were forwarded (all of them unless zero-advantage rows were skipped).
+        "entropy": per_token("entropy", n_fwd),
+        # Skipped rows have A = 0 and so cannot be clipped: the whole batch is the denominator.
+        "clip_ratio/low_mean": per_token("clip_ratio/low_mean", n_tok),
+        "clip_ratio/high_mean": per_token("clip_ratio/high_mean", n_tok),
+        "clip_ratio/region_mean": per_token("clip_ratio/low_mean", n_tok)
+        + per_token("clip_ratio/high_mean", n_tok),
+        "grad_norm": statistics.fmean(grad_norms) if grad_norms else float("nan"),
+        "update/skipped_nonfinite": float(skipped),
+        "update/rows_forwarded_frac": len(forwarded) / len(usable),
+        "update/rows_trained": float(len(usable)),
+        # Generator vs trainer log-prob gap on the same tokens (numerics, or a stale/other engine).
+        "update/behaviour_logprob_abs_diff": per_token("behaviour_logprob_diff", n_fwd),
+    }
+    if "kl" in sums:
+        metrics["kl"] = per_token("kl", n_tok)
+    if "tis_weight" in sums:
+        metrics["update/tis_weight_mean"] = per_token("tis_weight", n_fwd)
+        metrics["update/tis_capped_frac"] = per_token("tis_capped", n_fwd)
+    if "distill" in sums:
+        metrics["distill/reverse_kl"] = per_token("distill", n_fwd)
+    return metrics
+
+
+def reference_logprobs(
+    policy: Policy, trajectories: Sequence[Trajectory], cfg: RunConfig
+) -> list[list[float]] | None:
+    """Reference log-probs per completion token when the KL penalty is in the reward; else None."""
+    obj = cfg.objective
+    if not (obj.kl_in_reward and obj.beta > 0):
+        return None
+    bf16 = use_bf16(cfg.model)
+    policy.model.eval()
+    with policy.reference() as ref:
+        return per_token_scores(
+            lambda b: token_logprobs(
+                ref,
+                b,
+                cfg.sampling.temperature,
+                bf16=bf16,
+                share_prefix=cfg.train.share_prompt_prefix,
+            )[0],
+            trajectories,
+            cfg,
+            int(policy.tokenizer.pad_token_id),
+        )
