@@ -1,4 +1,4 @@
-"""assign_credit's algorithm paths, by hand: token rewards, KL in the reward, DAPO shaping,
+"""assign_credit's algorithm paths, by hand: KL in the reward, DAPO shaping,
 token-level REINFORCE++ and PPO's GAE. Every expected number is worked out in the comment beside it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from rlvr.config import RunConfig, load_config
 from rlvr.records import Span, Trajectory
-from rlvr.train.selection import assign_credit, token_rewards
+from rlvr.train.selection import assign_credit
 
 
 def traj(
@@ -40,20 +40,6 @@ def traj(
 
 def cfg(*overrides: str) -> RunConfig:
     return load_config(None, ["sampling.group_size=2", *overrides])
-
-
-def test_token_rewards_sit_on_each_turns_last_policy_token() -> None:
-    # prompt 2, completion [p p o o p p]: turn 1 = tokens 2-3, observation 4-5, turn 2 = 6-7.
-    t = traj(
-        1.5,
-        (1, 1, 0, 0, 1, 1),
-        turns=(Span(2, 4), Span(6, 8)),
-        turn_rewards=(0.5, 1.0),
-    )
-    assert token_rewards(t) == [0.0, 0.5, 0.0, 0.0, 0.0, 1.0]
-    # shaping on the last token; KL (beta 0.1) on every policy token only
-    kl = [1.0, 2.0, 9.0, 9.0, 3.0, 4.0]
-    assert token_rewards(t, -0.25, kl, 0.1) == pytest.approx([-0.1, 0.3, 0.0, 0.0, -0.3, 0.35])
 
 
 def test_kl_in_the_reward_lowers_the_outcome_before_the_group_baseline() -> None:

@@ -16,7 +16,13 @@ import torch
 from rlvr.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, group_reward_std
 from rlvr.algorithms.credit import token_advantages, turn_advantages
 from rlvr.algorithms.filtering import select_groups
-from rlvr.algorithms.gae import gae_advantages, reinforce_pp_returns, whiten
+from rlvr.algorithms.gae import (
+    gae_advantages,
+    reinforce_pp_returns,
+    token_level_rewards,
+    turn_reward_positions,
+    whiten,
+)
 from rlvr.algorithms.shaping import soft_overlong_penalty
 from rlvr.config import RunConfig
 from rlvr.records import Group, Trajectory, flatten
@@ -74,37 +80,6 @@ class Credit:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def token_rewards(
-    trajectory: Trajectory,
-    extra_outcome: float = 0.0,
-    kl: Sequence[float] | None = None,
-    beta: float = 0.0,
-) -> list[float]:
-    """Per completion token rewards: each turn's reward on the last token the policy sampled in that
-    turn (single-turn: the outcome on the last token), plus `extra_outcome` (shaping) on the very last
-    one, minus beta * KL_t on every policy token when the KL is in the reward."""
-    n_prompt = trajectory.prompt_length
-    mask = trajectory.policy_mask[n_prompt:]
-    out = [0.0] * len(mask)
-    turn_rewards = list(trajectory.turn_rewards) or [trajectory.reward]
-    spans = list(trajectory.turns)
-    last_policy = [t for t, m in enumerate(mask) if m]
-    if not last_policy:
-        return out
-    ends: list[int] = []
-    for span in spans:
-        inside = [t - n_prompt for t in range(span.start, span.end) if trajectory.policy_mask[t]]
-        ends.append(inside[-1] if inside else last_policy[-1])
-    if len(ends) != len(turn_rewards):  # a record without turn spans: all reward at the end
-        ends, turn_rewards = [last_policy[-1]], [trajectory.reward]
-    for end, value in zip(ends, turn_rewards, strict=True):
-        out[end] += value
-    out[last_policy[-1]] += extra_outcome
-    if kl is not None and beta:
-        out = [r - beta * k if m else r for r, k, m in zip(out, kl, mask, strict=True)]
-    return out
-
-
 def _padded(rows: Sequence[Sequence[float]]) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     out = torch.zeros((len(rows), width), dtype=torch.float32)
@@ -160,14 +135,16 @@ def assign_credit(
 
     token_level = estimator == "gae" or (estimator == "reinforce_pp" and kl_rows is not None)
     if token_level:
-        rewards = [
-            token_rewards(t, float(shaping_B[i]), kl_rows[i] if kl_rows else None, obj.beta)
-            if t.usable
-            else [0.0] * len(masks[i])
-            for i, t in enumerate(trajectories)
-        ]
-        rewards_B_T, mask_B_T = _padded(rewards), _padded(masks)
-        mask_B_T = mask_B_T * valid_B[:, None].float()
+        mask_B_T = _padded(masks) * valid_B[:, None].float()
+        # Each turn's reward on its last policy token (single-turn: the outcome on the last token),
+        # the shaping on the very last one, minus beta * KL_t on every token when KL is in the reward.
+        rewards_B_T = token_level_rewards(
+            mask_B_T,
+            shaping_B * valid_B.float(),
+            [turn_reward_positions(t) if t.usable else [] for t in trajectories],
+            _padded(kl_rows) if kl_rows is not None else None,
+            obj.beta,
+        )
         if estimator == "gae":
             assert values is not None, "ppo needs the critic's values"
             values_B_T = _padded(values) * mask_B_T
