@@ -144,3 +144,35 @@ def test_ppo_and_rloo_learn_the_tiny_task(
     assert last > first + 0.4, (algorithm, first, last)
     before, after = summary.eval_history[0][1], summary.eval_history[-1][1]
     assert after["eval/accuracy"] > before["eval/accuracy"] + 0.3
+
+
+def test_ppo_resume_restores_the_critic_exactly(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A ppo run stopped at step 2 and resumed ends with the same critic and metrics as one that
+    never stopped (critic weights and its optimizer live in the checkpoint)."""
+    common = ("algorithm=ppo", "train.steps=4", "checkpoint.every=2", *QUICK[1:])
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_2(step: int, _metrics: dict[str, object]) -> None:
+        if step == 2:
+            raise Stop
+
+    full = train(
+        tiny_cfg(tiny_config_dir, tiny_model_dir, tmp_path / "full", *common),
+        config_dir=tiny_config_dir,
+    )
+    cfg = tiny_cfg(tiny_config_dir, tiny_model_dir, tmp_path / "split", *common)
+    with pytest.raises(Stop):
+        train(cfg, config_dir=tiny_config_dir, on_step_end=stop_after_2)
+    train(cfg, resume=True, config_dir=tiny_config_dir)
+
+    def critic_loss(run: Path) -> list[float]:
+        return [m["critic/value_loss"] for m in read_metrics(run) if "critic/value_loss" in m]
+
+    assert critic_loss(full.run_dir) == critic_loss(tmp_path / "split")
+    last = Path("checkpoints") / "step-000004" / "critic" / "critic.safetensors"
+    a, b = load_file(str(full.run_dir / last)), load_file(str(tmp_path / "split" / last))
+    assert all(torch.equal(a[k], b[k]) for k in a)
