@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -201,6 +201,101 @@ def envs_command() -> None:
         family = ENV_FAMILIES[name]
         example = f"  ({family.example_config})" if family.example_config else ""
         print(f"{name:<{width}}  {family.description}{example}")
+
+
+@app.command("pipeline")
+def pipeline_command(
+    config: Annotated[Path, typer.Argument(help="Pipeline YAML: model, output_dir, stages.")],
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override: key.sub=value (repeatable).")
+    ] = None,
+    output_dir: Annotated[
+        str | None, typer.Option("--output-dir", help="Run directory (overrides output_dir).")
+    ] = None,
+) -> None:
+    """Run stages in order (sft, distill, dpo, reward_model, rl), each from the previous model.
+
+    Rerunning the same command resumes: finished stages are skipped, an interrupted one continues.
+    """
+    from rlvr.pipeline import load_pipeline_config, run_pipeline
+
+    overrides = list(set_ or [])
+    if output_dir is not None:
+        overrides.append(f"output_dir={output_dir}")
+    cfg = load_pipeline_config(config, overrides)
+    _quiet_libraries()
+    rows = run_pipeline(cfg, config_dir=config.parent)
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"pipeline {cfg.output_dir}")
+    for column in ("stage", "kind", "held-out accuracy", "final metrics"):
+        table.add_column(column)
+    for row in rows:
+        acc = row.get("heldout_accuracy")
+        shown = {k: v for k, v in row["metrics"].items() if not k.startswith("eval/source")}
+        table.add_row(
+            row["stage"],
+            row["kind"],
+            "" if acc is None else f"{acc:.1%}",
+            ", ".join(f"{k}={v:.3g}" for k, v in list(shown.items())[:4]),
+        )
+    Console().print(table)
+
+
+def _offline_stage(kind: str, config: Path, overrides: list[str]) -> None:
+    from rlvr.offline.config import DPOConfig, RewardModelConfig, SFTConfig, load_stage_config
+
+    classes: dict[str, Any] = {
+        "sft": SFTConfig,
+        "dpo": DPOConfig,
+        "reward-model": RewardModelConfig,
+    }
+    cfg = load_stage_config(classes[kind], config, overrides)
+    _quiet_libraries()
+    from rlvr.offline import train_dpo, train_reward_model, train_sft
+
+    runners: dict[str, Any] = {
+        "sft": train_sft,
+        "dpo": train_dpo,
+        "reward-model": train_reward_model,
+    }
+    run = runners[kind]
+    result = run(cfg, resume=True)
+    print(f"model: {result.model_dir}")
+    print(" ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()))
+
+
+_SET_HELP = "Override: key.sub=value (repeatable)."
+
+
+@app.command("sft")
+def sft_command(
+    config: Annotated[Path, typer.Argument(help="SFT stage YAML (rlvr.offline.config.SFTConfig).")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help=_SET_HELP)] = None,
+) -> None:
+    """Supervised fine-tuning on chat data, loss on assistant tokens only; resumes if interrupted."""
+    _offline_stage("sft", config, list(set_ or []))
+
+
+@app.command("dpo")
+def dpo_command(
+    config: Annotated[Path, typer.Argument(help="DPO stage YAML (rlvr.offline.config.DPOConfig).")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help=_SET_HELP)] = None,
+) -> None:
+    """Direct preference optimisation (sigmoid, ipo, hinge) on chosen/rejected pairs."""
+    _offline_stage("dpo", config, list(set_ or []))
+
+
+@app.command("reward-model")
+def reward_model_command(
+    config: Annotated[
+        Path, typer.Argument(help="Reward-model YAML (rlvr.offline.config.RewardModelConfig).")
+    ],
+    set_: Annotated[list[str] | None, typer.Option("--set", help=_SET_HELP)] = None,
+) -> None:
+    """Train a Bradley-Terry reward model on chosen/rejected pairs."""
+    _offline_stage("reward-model", config, list(set_ or []))
 
 
 def main() -> None:

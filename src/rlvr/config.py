@@ -503,19 +503,34 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set `a.b.c=value` paths in nested config data; a number indexes a list (`stages.0.name=x`)."""
     for item in overrides:
         path, value = _parse_override(item)
-        node = data
+        node: Any = data
         for part in path[:-1]:
+            if isinstance(node, list):
+                node = _list_item(node, part, item)
+                continue
             child = node.get(part)
             if child is None:
                 child = {}
                 node[part] = child
-            if not isinstance(child, dict):
+            if not isinstance(child, dict | list):
                 raise ConfigError(f"--set '{item}': '{part}' is not a section")
             node = child
-        node[path[-1]] = value
+        if isinstance(node, list):
+            index = int(path[-1]) if path[-1].isdigit() else -1
+            _list_item(node, path[-1], item)
+            node[index] = value
+        else:
+            node[path[-1]] = value
     return data
+
+
+def _list_item(items: list[Any], part: str, item: str) -> Any:
+    if not part.isdigit() or int(part) >= len(items):
+        raise ConfigError(f"--set '{item}': '{part}' is not an index of a list of {len(items)}")
+    return items[int(part)]
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:

@@ -25,6 +25,12 @@ from rlvr.algorithms.losses import (
     ppo_clip_loss,
     truncated_importance_weights,
 )
+from rlvr.algorithms.preference import (
+    DPO_LOSS_TYPES,
+    bradley_terry_loss,
+    dpo_loss,
+    sft_loss,
+)
 
 
 @dataclass(frozen=True)
@@ -96,12 +102,15 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
     "ALGORITHMS",
+    "DPO_LOSS_TYPES",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "AlgorithmSpec",
     "PolicyLossOutput",
     "aggregate",
+    "bradley_terry_loss",
     "cispo_loss",
+    "dpo_loss",
     "full_reverse_kl",
     "group_reward_std",
     "grpo_advantages",
@@ -110,5 +119,6 @@ __all__ = [
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
+    "sft_loss",
     "truncated_importance_weights",
 ]

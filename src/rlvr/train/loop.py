@@ -44,6 +44,7 @@ from rlvr.observe.metrics import (
     rollout_metrics,
     rollout_rows,
     source_metrics,
+    verifiability_metrics,
 )
 from rlvr.observe.progress import Progress
 from rlvr.observe.tracking import Tracker
@@ -217,6 +218,12 @@ def train(
                 metrics.update(
                     source_metrics(flatten(sampled), {s.name: s.metric for s in sources})
                 )
+            # A judge or reward model's share reported apart from the verifiers' (hacking shows there).
+            metrics.update(
+                verifiability_metrics(
+                    flatten(sampled), sources.reward_weights, sources.unverifiable
+                )
+            )
             metrics["learning_rate"] = scheduler.get_last_lr()[0]
             with warnings.catch_warnings():
                 # The schedule follows steps even when an update was skipped (no optimizer.step()).

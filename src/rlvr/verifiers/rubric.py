@@ -258,11 +258,17 @@ class RewardFunction:
         return bool(getattr(self.fn, _WANTS_TRAJECTORY, False))
 
     def keyword_arguments(self, task: Task) -> dict[str, Any]:
-        """The keyword arguments this function gets for `task`: task fields, options on top."""
+        """The keyword arguments this function gets for `task`: task fields, options on top.
+
+        A function that names a `prompt` parameter also gets the task's prompt messages there when
+        the task has no `prompt` field of its own (a reward model or judge scores the reply to it).
+        """
         merged = {**task.fields, **self.options}
         accepted = self._plan.accepted
         if accepted is None:
             return merged
+        if "prompt" in accepted and "prompt" not in merged:
+            merged["prompt"] = [dict(m) for m in task.messages]
         return {key: value for key, value in merged.items() if key in accepted}
 
     def __call__(self, trajectory: Trajectory, task: Task) -> float:
