@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 
 from rlvr.algorithms import ALGORITHMS
 from rlvr.config import RunConfig, load_config
-from rlvr.models import make_tiny_model_dir
 from rlvr.observe.tracking import read_metrics
 from rlvr.train.loop import train
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 QUICK = ["train.steps=2", "eval.at_start=false", "eval.at_end=false", "tracking.progress=false"]
 
 
@@ -27,9 +27,29 @@ def tiny_cfg(config_dir: Path, model_dir: Path, out: Path, *overrides: str) -> R
 
 
 @pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Same tokenizer as the student, other random weights: a different distribution to pull towards.
-    return make_tiny_model_dir(tmp_path_factory.mktemp("teacher") / "model", seed=7, hidden_size=64)
+def teacher_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """The tiny model after 30 SFT steps on examples/tiny_sft.jsonl (it answers in digits): same
+    tokenizer as the student, a clearly different and learnable distribution to distil."""
+    from rlvr.offline import train_sft
+    from rlvr.offline.config import SFTConfig
+
+    result = train_sft(
+        SFTConfig.model_validate(
+            {
+                "model": {"name": str(tiny_model_dir)},
+                "data": {"path": str(EXAMPLES / "tiny_sft.jsonl"), "heldout_fraction": 0.0},
+                "train": {
+                    "steps": 30,
+                    "batch_size": 16,
+                    "micro_batch_size": 16,
+                    "learning_rate": 3e-3,
+                    "max_length": 64,
+                },
+                "output_dir": str(tmp_path_factory.mktemp("teacher") / "sft"),
+            }
+        )
+    )
+    return result.model_dir
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -176,3 +196,49 @@ def test_ppo_resume_restores_the_critic_exactly(
     last = Path("checkpoints") / "step-000004" / "critic" / "critic.safetensors"
     a, b = load_file(str(full.run_dir / last)), load_file(str(tmp_path / "split" / last))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_on_policy_distillation_pulls_the_student_towards_the_teacher(
+    tiny_config_dir: Path, tiny_model_dir: Path, teacher_dir: Path, tmp_path: Path
+) -> None:
+    """The reverse KL to the teacher, measured on the student's own samples, falls by more than half."""
+    cfg = tiny_cfg(
+        tiny_config_dir,
+        tiny_model_dir,
+        tmp_path / "distill",
+        "algorithm=distill",
+        f"distill.teacher={teacher_dir}",
+        "train.steps=12",
+        "train.seed=1",
+        *QUICK[1:],
+    )
+    summary = train(cfg, config_dir=tiny_config_dir)
+    rows = [m for m in read_metrics(summary.run_dir) if "loss" in m]
+    kl = [m["distill/reverse_kl"] for m in rows]
+    assert len(kl) == 12
+    # Measured: 1.55 -> 0.27 over the 12 steps.
+    assert sum(kl[-3:]) / 3 < 0.5 * sum(kl[:3]) / 3, kl
+    # The teacher answers in digits; so, now, does the student (the task reward, never optimised).
+    reward = [m["reward"] for m in rows]
+    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.2, reward
+
+
+def test_ppo_runs_on_multi_turn_episodes_with_observations_masked(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    for name in ("tiny_multiturn.yaml", "tiny_envs.py"):
+        (tmp_path / name).write_text((EXAMPLES / name).read_text())
+    cfg = load_config(
+        tmp_path / "tiny_multiturn.yaml",
+        [
+            f"model.name={tiny_model_dir}",
+            f"output_dir={tmp_path / 'run'}",
+            "algorithm=ppo",
+            "objective.credit=trajectory",
+            *QUICK,
+        ],
+    )
+    summary = train(cfg, config_dir=tmp_path)
+    rows = [m for m in read_metrics(summary.run_dir) if "loss" in m]
+    assert all(m["turns/mean"] > 2.5 for m in rows)
+    assert all(math.isfinite(m["critic/value_loss"]) and math.isfinite(m["loss"]) for m in rows)
