@@ -233,3 +233,26 @@ def test_teacher_rejection_sampling_keeps_only_passing_samples(
     assert stats["kept"] == len(rows) > 0 and stats["below_min_reward"] > 0
     assert stats["kept"] + stats["below_min_reward"] == 24
     assert all(len(r["messages"][-1]["content"]) % 2 == 0 and r["reward"] == 1.0 for r in rows)
+
+
+def test_a_non_finite_gradient_skips_the_step_and_is_counted(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import rlvr.offline.common as common
+
+    real_clip = torch.nn.utils.clip_grad_norm_
+    calls = {"n": 0}
+
+    def clip_nan_on_step_2(params: Any, max_norm: float) -> torch.Tensor:
+        calls["n"] += 1
+        norm = real_clip(params, max_norm)
+        return torch.tensor(float("nan")) if calls["n"] == 2 else norm
+
+    monkeypatch.setattr(common.torch.nn.utils, "clip_grad_norm_", clip_nan_on_step_2)
+    cfg = sft_config(tiny_model_dir, tmp_path / "nan", data={"heldout_fraction": 0.0})
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 3})})
+    train_sft(cfg, rows=chat_rows())
+    rows = [
+        json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["skipped_nonfinite"] for r in rows] == [0.0, 1.0, 0.0]

@@ -16,14 +16,16 @@ from rich.progress import Progress as RichProgress
 
 
 class Progress:
-    def __init__(self, total: int, start: int = 0, enabled: bool = True) -> None:
+    def __init__(
+        self, total: int, start: int = 0, enabled: bool = True, label: str = "train"
+    ) -> None:
         self.console = Console(stderr=True)
         self.enabled = enabled
         self._bar: RichProgress | None = None
         self._last_eval = ""
         if enabled:
             self._bar = RichProgress(
-                TextColumn("[bold]train"),
+                TextColumn(f"[bold]{label}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
@@ -44,6 +46,12 @@ class Progress:
             return
         if "eval/accuracy" in metrics:
             self._last_eval = f" heldout {metrics['eval/accuracy']:.0%}"
+        if "reward" not in metrics:  # an offline stage (SFT, DPO, reward model): its loss
+            if "eval/loss" in metrics:
+                self._last_eval = f" eval loss {metrics['eval/loss']:.3f}"
+            info = f"loss {metrics.get('loss', float('nan')):.3f}{self._last_eval}"
+            self._bar.update(self._task, completed=step, info=info)
+            return
         info = (
             f"reward {metrics.get('reward', float('nan')):.2f} "
             f"entropy {metrics.get('entropy', float('nan')):.2f} "

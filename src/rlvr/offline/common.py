@@ -31,6 +31,7 @@ import torch
 from rlvr.algorithms.preference import target_logprobs
 from rlvr.errors import ConfigError
 from rlvr.models import LoraSettings
+from rlvr.observe.progress import Progress
 from rlvr.observe.tracking import Tracker, read_metrics
 from rlvr.offline.config import OfflineTrainConfig, _StageConfig
 from rlvr.offline.data import TokenBatch
@@ -223,12 +224,17 @@ def run_stage(
     tracker = Tracker(
         output_dir, use_trackio=False, project="", run_name="", config={}, resume_step=start
     )
+    progress = Progress(total=steps, start=start, enabled=cfg.progress, label=output_dir.name)
     for step in range(start + 1, steps + 1):
         model.train()
         optimizer.zero_grad(set_to_none=True)
         metrics = train_step(step_indices(step, train.batch_size, num_items, train.seed))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
-        optimizer.step()
+        # A non-finite gradient would poison the weights: skip the step and count it.
+        finite = math.isfinite(float(grad_norm))
+        if finite:
+            optimizer.step()
+        metrics["skipped_nonfinite"] = float(not finite)
         metrics["grad_norm"] = float(grad_norm)
         metrics["learning_rate"] = float(scheduler.get_last_lr()[0])
         metrics["epoch"] = step * train.batch_size / num_items
@@ -240,6 +246,7 @@ def run_stage(
             with torch.no_grad():
                 metrics.update(evaluate())
         tracker.log(metrics, step=step)
+        progress.update(step, metrics)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < steps:
             save_checkpoint(
                 output_dir,
@@ -253,6 +260,7 @@ def run_stage(
                 extra_state={"stage": type(cfg).__name__},
                 keep_last=cfg.keep_last,
             )
+    progress.close()
     tracker.close()
     history = read_metrics(output_dir)
     final = {

@@ -71,6 +71,7 @@ class _StageConfig(_Section):
     checkpoint_every: int = Field(0, ge=0, description="Save every k steps (0 = only the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept.")
     eval_every: int = Field(0, ge=0, description="Held-out eval every k steps (0 = end only).")
+    progress: bool = Field(True, description="A live progress bar with the loss on stderr.")
 
     # Each stage's default learning rate; train.learning_rate overrides it.
     default_learning_rate: ClassVar[float] = 1e-5
