@@ -2,6 +2,9 @@
 
 Loaded from YAML, overridden with `--set a.b=value`; every error names the field and what is allowed,
 in one line. Unknown keys are errors (a typo must not silently fall back to a default).
+
+Longer than our ~500-line guide on purpose: this file is the one place a user reads to learn every
+knob of a run (each section, its fields and the per-algorithm defaults), so it is not split.
 """
 
 from __future__ import annotations

@@ -1,22 +1,27 @@
 """The RL step, top to bottom: tasks -> rollouts -> scores -> advantages -> update -> metrics -> checkpoint.
 
-Objective (GRPO, Shao et al. 2024, with the choices below; one `algorithm:` key picks the estimator and
-the loss from the registries in rlvr.algorithms):
+Objective (GRPO, Shao et al. 2024, and its family; one `algorithm:` key picks the advantage
+estimator and the policy loss from the registries in rlvr.algorithms, docs/algorithms.md lists them):
 
     J = agg_t[ min(r_t A, clip(r_t, 1-eps, 1+eps_high) A) - beta * KL_est(pi || pi_ref)_t + c_H * H_t ]
 
 How this departs from the paper, on purpose:
 - Advantages are one scalar per trajectory (outcome supervision), applied to every token the policy
-  sampled; prompt, padding and (multi-turn) observation tokens are masked out of every term.
+  sampled; prompt, padding and (multi-turn) observation tokens are masked out of every term. ppo
+  instead gets per-token advantages from its critic (GAE over the policy tokens).
 - The default aggregation is token-mean over the whole batch (DAPO) rather than the paper's
   per-sequence mean; `objective.loss_aggregation` selects either, or Dr.GRPO's constant normaliser.
 - beta defaults to 0 (no reference model, as DAPO/Dr.GRPO and TRL); with beta > 0 the KL is k3 by
-  default, as in the paper. LoRA's reference is the base with adapters disabled.
+  default, as in the paper, in the loss, or per token in the reward with `objective.kl_in_reward`.
+  LoRA's reference is the base with adapters disabled.
 - With num_iterations == 1 the update is on-policy: pi_old is the current policy detached, so the ratio
-  is exactly 1 and no extra forward pass is spent. With num_iterations > 1, pi_old log-probs are
-  computed once by the trainer before the first update and reused, as PPO requires.
+  is exactly 1 and no extra forward pass is spent. With num_iterations > 1 (or truncated importance
+  sampling), pi_old log-probs are computed once by the trainer before the first update.
 - A rollout whose reward function raised is left out of the update and of its group's baseline, and
   counted; past `train.max_reward_error_fraction` the run stops.
+
+The update itself is rlvr.train.update.policy_update; ppo's critic and distill's teacher are built in
+rlvr.train.companions.
 """
 
 from __future__ import annotations
