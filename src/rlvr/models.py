@@ -233,22 +233,28 @@ def load_policy(
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     if lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        peft_config = LoraConfig(
-            r=lora.r,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, peft_config)
-        return Policy(model=model, tokenizer=tokenizer, lora=True)
+        return Policy(model=add_lora(model, lora, "CAUSAL_LM"), tokenizer=tokenizer, lora=True)
     reference = None
     if need_reference:
         reference = copy.deepcopy(model).eval()
         reference.requires_grad_(False)
     return Policy(model=model, tokenizer=tokenizer, lora=False, _reference=reference)
+
+
+def add_lora(model: Any, lora: LoraSettings, task_type: str) -> Any:
+    """Wrap `model` with peft LoRA adapters (the base frozen). `task_type` is peft's: CAUSAL_LM for a
+    policy, SEQ_CLS for a reward model (its new score head then trains in full next to the
+    adapters), FEATURE_EXTRACTION for a critic's backbone."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type=task_type,
+    )
+    return get_peft_model(model, config)
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> set[int]:

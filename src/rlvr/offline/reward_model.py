@@ -22,7 +22,7 @@ from transformers import AutoModelForSequenceClassification
 from rlvr.algorithms.preference import bradley_terry_loss
 from rlvr.build import use_bf16
 from rlvr.errors import ConfigError
-from rlvr.models import LoraSettings, load_tokenizer, resolve_model_path
+from rlvr.models import LoraSettings, add_lora, load_tokenizer, resolve_model_path
 from rlvr.offline.common import (
     DONE_FILE,
     MODEL_DIR,
@@ -64,17 +64,8 @@ def build_reward_model(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if lora is not None:
-        from peft import LoraConfig, get_peft_model
-
         # SEQ_CLS makes peft train (and save) the new score head in full next to the adapters.
-        peft_config = LoraConfig(
-            r=lora.r,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            task_type="SEQ_CLS",
-        )
-        model = get_peft_model(model, peft_config)
+        model = add_lora(model, lora, "SEQ_CLS")
     return model, tokenizer
 
 

@@ -31,7 +31,7 @@ from transformers import AutoModel
 
 from rlvr.algorithms.gae import value_loss
 from rlvr.algorithms.losses import aggregate
-from rlvr.models import LoraSettings, resolve_model_path
+from rlvr.models import LoraSettings, add_lora, resolve_model_path
 from rlvr.train.batch import TrainBatch, autocast_context
 
 WEIGHTS_FILE = "critic.safetensors"
@@ -134,16 +134,7 @@ def build_critic(
         if lora is not None:  # frozen embeddings: checkpointed blocks need an input that wants grad
             backbone.enable_input_require_grads()
     if lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        peft_config = LoraConfig(
-            r=lora.r,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            task_type="FEATURE_EXTRACTION",
-        )
-        backbone = get_peft_model(backbone, peft_config)
+        backbone = add_lora(backbone, lora, "FEATURE_EXTRACTION")
     return ValueModel(backbone, int(backbone.config.hidden_size), base_path=model_path, lora=lora)
 
 
