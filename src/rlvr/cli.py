@@ -203,6 +203,37 @@ def envs_command() -> None:
         print(f"{name:<{width}}  {family.description}{example}")
 
 
+runs_app = typer.Typer(help="Work with several run directories.", no_args_is_help=True)
+app.add_typer(runs_app, name="runs")
+
+
+@app.command("report")
+def report_command(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Folder (default RUN_DIR/report/).")
+    ] = None,
+) -> None:
+    """A static HTML report of a run: curves with alert markers, best/worst rollouts, config."""
+    from rlvr.observe.report import write_report
+
+    typer.echo(f"report: {write_report(run_dir, out).resolve()}")
+
+
+@runs_app.command("compare")
+def runs_compare_command(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories.")],
+    out: Annotated[Path, typer.Option("--out", help="Output folder.")] = Path("compare"),
+) -> None:
+    """Key curves of several runs on shared plots, and a summary table."""
+    from rich.console import Console
+
+    from rlvr.observe.compare import compare_runs, summary_rows, summary_table
+
+    Console().print(summary_table(summary_rows(run_dirs)))
+    typer.echo(f"compare: {compare_runs(run_dirs, out).resolve()}")
+
+
 @app.command("pipeline")
 def pipeline_command(
     config: Annotated[Path, typer.Argument(help="Pipeline YAML: model, output_dir, stages.")],
