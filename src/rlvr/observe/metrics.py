@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,8 @@ def rollout_metrics(
         # -log p of the sampled tokens under the sampler: a Monte Carlo estimate of the policy's entropy
         # that exists for every row, including rows the update skipped (see `entropy`).
         "completions/neg_logprob_mean": _neg_logprob_mean(trajs),
+        # Share of trajectories whose completion tokens equal another's in their group (Echo Trap).
+        "rollout/duplicate_frac": duplicate_fraction(groups),
     }
     for name in rubric_names:
         values = [t.rewards[name] for t in trajs if name in t.rewards]
@@ -41,6 +44,17 @@ def rollout_metrics(
         out[f"rewards/{name}/std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
         out[f"rewards/{name}/errors"] = float(sum(name in t.reward_errors for t in trajs))
     return out
+
+
+def duplicate_fraction(groups: Sequence[Group]) -> float:
+    """Fraction of trajectories whose completion token ids are identical to another trajectory's in
+    the same group: 0 when every sample differs, 1 when no sample is unique (e.g. 8 copies, or 4 + 4)."""
+    total = duplicated = 0
+    for g in groups:
+        counts = Counter(t.completion_ids for t in g.trajectories)
+        total += len(g.trajectories)
+        duplicated += sum(n for n in counts.values() if n > 1)
+    return duplicated / total if total else 0.0
 
 
 def agent_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:

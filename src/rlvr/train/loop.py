@@ -19,6 +19,9 @@ How this departs from the paper, on purpose:
   sampling), pi_old log-probs are computed once by the trainer before the first update.
 - A rollout whose reward function raised is left out of the update and of its group's baseline, and
   counted; past `train.max_reward_error_fraction` the run stops.
+- After every step the failure-mode monitors (rlvr.observe.monitors, docs/monitors.md) read the metric
+  history; an alert is logged as an event and warns, stops the run (with a checkpoint), or mitigates
+  (StarPO-S filtering or a larger beta from the next step on).
 
 The update itself is rlvr.train.update.policy_update; ppo's critic and distill's teacher are built in
 rlvr.train.companions.
@@ -37,12 +40,14 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+from rich.markup import escape
 
 from rlvr.algorithms import ALGORITHMS
 from rlvr.build import build_generator, build_optimizer, build_policy, rollout_limits
 from rlvr.config import RewardSpec, RunConfig, TaskConfig, config_to_dict, load_config
 from rlvr.errors import RewardError
 from rlvr.evaluate import evaluate_sources
+from rlvr.models import Policy, load_policy
 from rlvr.observe.inspect import trajectory_rows, write_step_trajectories
 from rlvr.observe.metrics import (
     agent_metrics,
@@ -51,8 +56,9 @@ from rlvr.observe.metrics import (
     source_metrics,
     verifiability_metrics,
 )
+from rlvr.observe.monitors import Alert, Monitors, apply_changes, mitigation
 from rlvr.observe.progress import Progress
-from rlvr.observe.tracking import Tracker
+from rlvr.observe.tracking import Tracker, read_metrics
 from rlvr.records import Group, Task, Trajectory, flatten
 from rlvr.rollout.engine import rollout_groups
 from rlvr.rollout.generator import SamplingParams
@@ -75,6 +81,8 @@ class RunSummary:
     steps_done: int
     eval_history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     wall_seconds: float = 0.0
+    # Why the run ended before train.steps: a monitor whose action is `stop` fired (None: it did not).
+    stopped_early: str | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -126,11 +134,20 @@ def train(
         stop=tuple(cfg.sampling.stop),
     )
     limits = rollout_limits(cfg)
+    metrics_of = {s.metric for s in sources}
+    monitors = Monitors(
+        cfg.monitors,
+        accuracy=next(iter(metrics_of)) if len(metrics_of) == 1 else None,
+        optimised=[name for name, w in sources.reward_weights.items() if w != 0],
+    )
 
     def rollout(batch_tasks: list[Task]) -> list[Group]:
         return rollout_groups(
             batch_tasks, sources.make_env, generator, tokenizer, sampling, sources.scoring, limits
         )
+
+    def sample_round() -> list[Group]:
+        return rollout(sources.next_batch(cfg.sampling.prompts_per_step))
 
     def run_eval() -> dict[str, float]:
         return evaluate_sources(
@@ -153,6 +170,9 @@ def train(
         generator.set_state(generator_rng)
         sources.load_state_dict(state["sampler"])
         start_step = int(state["step"])
+        monitors.load_state_dict(state.get("monitors", {}))
+        cfg = apply_changes(cfg, monitors.changes)  # mitigations made before the checkpoint
+        ensure_reference(policy, cfg)
 
     tracker = Tracker(
         run_dir,
@@ -164,6 +184,8 @@ def train(
     )
     summary = RunSummary(run_dir=run_dir, steps_done=start_step)
     progress = Progress(total=cfg.train.steps, start=start_step, enabled=cfg.tracking.progress)
+    if resume and tracker.metrics_path.exists():
+        monitors.replay(read_metrics(run_dir))  # the history up to the checkpoint
 
     def save(step: int) -> None:
         save_checkpoint(
@@ -175,7 +197,7 @@ def train(
             scheduler=scheduler,
             generator_rng=generator.get_state(),
             sampler_state=sources.state_dict(),
-            extra_state={"algorithm": cfg.algorithm},
+            extra_state={"algorithm": cfg.algorithm, "monitors": monitors.state_dict()},
             keep_last=cfg.checkpoint.keep_last,
             save_extra=critic.save if critic is not None else None,
         )
@@ -185,6 +207,7 @@ def train(
             progress.note("evaluating the base policy on held-out tasks...")
             base = run_eval()
             summary.eval_history.append((0, base))
+            monitors.observe(0, base)
             tracker.log(base, step=0)
             progress.note(f"held-out accuracy before training: {base['eval/accuracy']:.1%}")
 
@@ -192,9 +215,7 @@ def train(
             t0 = time.time()
             # 1. tasks -> rollouts (multi-turn when the env asks), scored; the filter keeps the
             #    groups worth learning from (StarPO-S / DAPO dynamic sampling)
-            sampled, kept, filter_metrics = collect_groups(
-                cfg, lambda: rollout(sources.next_batch(cfg.sampling.prompts_per_step))
-            )
+            sampled, kept, filter_metrics = collect_groups(cfg, sample_round)
             trajectories = flatten(kept)
             t_rollout = time.time() - t0
             # 2. advantages over the rollouts that scored, then per-token credit; KL in the reward
@@ -250,7 +271,14 @@ def train(
                 ev = run_eval()
                 summary.eval_history.append((step, ev))
                 metrics.update(ev)
+            # 5. the monitors read the history; an alert is an event row after this step's metrics,
+            #    and its action applies from the next step (a mitigation is in the checkpoint)
+            alerts = monitors.observe(step, metrics)
+            metrics.update({f"alerts/{a.name}": 1.0 for a in alerts})
             tracker.log(metrics, step=step)
+            for alert in alerts:
+                cfg, stop = act_on_alert(alert, cfg, monitors, policy, tracker, progress)
+                summary.stopped_early = summary.stopped_early or stop
             tracker.log_rollouts(rollout_rows(sampled), step=step)
             if cfg.tracking.trajectories_every and step % cfg.tracking.trajectories_every == 0:
                 write_step_trajectories(
@@ -259,15 +287,25 @@ def train(
             summary.steps_done = step
             progress.update(step, metrics)
             _check_reward_errors(flatten(sampled), step, cfg.train.max_reward_error_fraction)
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+            if summary.stopped_early or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 save(step)
             if on_step_end is not None:
                 on_step_end(step, metrics)
+            if summary.stopped_early:
+                progress.console.print(
+                    f"stopped early at step {step}: {escape(summary.stopped_early)}"
+                )
+                break
 
         if cfg.eval.at_end:
             final = run_eval()
-            summary.eval_history.append((cfg.train.steps, final))
-            tracker.log(final, step=cfg.train.steps)
+            summary.eval_history.append((summary.steps_done, final))
+            alerts = monitors.observe(summary.steps_done, final)  # the held-out rule, one last time
+            tracker.log(
+                {**final, **{f"alerts/{a.name}": 1.0 for a in alerts}}, step=summary.steps_done
+            )
+            for alert in alerts:
+                log_alert(alert, tracker, progress)
         if cfg.checkpoint.save_final and summary.steps_done == cfg.train.steps:
             save(cfg.train.steps)
     finally:
@@ -275,6 +313,49 @@ def train(
         tracker.close()
     summary.wall_seconds = time.time() - started
     return summary
+
+
+def log_alert(
+    alert: Alert, tracker: Tracker, progress: Progress, changes: dict[str, Any] | None = None
+) -> None:
+    """The alert's event row in metrics.jsonl ({"step", "time", "event", "action", "message",
+    "evidence"[, "changes"]}) and a console warning (printed even without the progress bar)."""
+    event = alert.event() if changes is None else {**alert.event(), "changes": changes}
+    tracker.log(event, step=alert.step)
+    done = "" if changes is None else f"; changed {changes}" if changes else "; nothing to change"
+    progress.console.print(
+        f"[bold yellow]monitor {alert.name}[/] (step {alert.step}, {alert.action}): "
+        f"{escape(alert.message)}{escape(done)}"
+    )
+
+
+def act_on_alert(
+    alert: Alert,
+    cfg: RunConfig,
+    monitors: Monitors,
+    policy: Policy,
+    tracker: Tracker,
+    progress: Progress,
+) -> tuple[RunConfig, str | None]:
+    """Log `alert` and carry out its action: returns the config for the next step and, for `stop`,
+    why the run stops."""
+    changes = mitigation(cfg, alert.name) if alert.action == "mitigate" else None
+    if changes:
+        cfg = apply_changes(cfg, changes)
+        monitors.changes.update(changes)
+        ensure_reference(policy, cfg)
+    log_alert(alert, tracker, progress, changes)
+    return cfg, f"{alert.name}: {alert.message}" if alert.action == "stop" else None
+
+
+def ensure_reference(policy: Policy, cfg: RunConfig) -> None:
+    """Give a full fine-tuning run a reference once beta > 0 (a mitigation raised it from 0): the
+    base model, frozen, which is what a run started with that beta would have (so a resume matches).
+    LoRA needs none: its reference is the base with adapters disabled."""
+    if cfg.objective.beta > 0 and not policy.lora and policy._reference is None:
+        # Loading must not move the run's RNG: a resumed run loads it at another moment.
+        with torch.random.fork_rng(devices=[]):
+            policy._reference = load_policy(cfg.model.name).model.eval().requires_grad_(False)
 
 
 def absolutize_reward_files(cfg: RunConfig, config_dir: Path | None) -> RunConfig:

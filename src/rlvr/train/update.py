@@ -146,6 +146,7 @@ def policy_update(
     grad_norms: list[float] = []
     for _ in range(obj.num_iterations):
         optimizer.zero_grad(set_to_none=True)
+        finite_loss = True
         for i, b in enumerate(batches):
             mask = b.mask_B_C
             logp_B_C, entropy_B_C, full_B_C_V = token_distributions(
@@ -194,6 +195,7 @@ def policy_update(
                 add("distill", (distill_B_C.detach() * mask).sum())
             loss = aggregate(per_token_B_C, mask, obj.loss_aggregation, **norms)
             loss.backward()
+            finite_loss = finite_loss and math.isfinite(float(loss.detach()))
             add("loss", loss.detach())
             add("entropy", (entropy_B_C.detach() * mask).sum())
             add("clip_ratio/low_mean", (out.clipped_low_B_T * mask).sum())
@@ -208,8 +210,8 @@ def policy_update(
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.train.max_grad_norm)
         )
-        if not math.isfinite(grad_norm):
-            skipped += 1  # a non-finite gradient would poison the weights: skip this step, count it
+        if not (math.isfinite(grad_norm) and finite_loss):
+            skipped += 1  # a non-finite loss or gradient would poison the weights: skip, count it
             optimizer.zero_grad(set_to_none=True)
             continue
         grad_norms.append(grad_norm)
