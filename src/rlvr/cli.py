@@ -100,6 +100,11 @@ def _print_summary(summary: object, trackio_project: str | None) -> None:
     )
     if trackio_project:
         console.print(f"dashboard: trackio show --project {trackio_project}")
+    console.print(f"report: rlvr report {summary.run_dir}")
+    if summary.stopped_early:
+        # A monitor with action `stop` ended the run: say why, and exit non-zero for scripts.
+        console.print(f"[bold red]stopped early[/bold red] by a monitor: {summary.stopped_early}")
+        raise typer.Exit(3)
 
 
 @app.command("eval")
