@@ -239,6 +239,33 @@ def runs_compare_command(
     typer.echo(f"compare: {compare_runs(run_dirs, out).resolve()}")
 
 
+@app.command("review")
+def review_cli(
+    model: Annotated[str, typer.Argument(help="Model alias, directory, hub id, or a RUN_DIR.")],
+    baseline: Annotated[
+        str, typer.Option("--baseline", help="What to compare against (e.g. the base model).")
+    ],
+    task: Annotated[
+        str | None,
+        typer.Option("--task", help="arithmetic, env:NAME or CONFIG.yaml; default the run's own."),
+    ] = None,
+    n: Annotated[
+        int, typer.Option("--n", help="Held-out tasks scored (and prompts for the KL).")
+    ] = 50,
+    probes: Annotated[
+        Path | None, typer.Option("--probes", help="Sycophancy probes JSONL (default built-in).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Folder for review.json / review.md.")
+    ] = None,
+) -> None:
+    """Launch review: verifier correctness, sycophancy rate, KL from the baseline, mean length."""
+    _quiet_libraries()
+    from rlvr.review import review_command
+
+    review_command(model, baseline, task, n, probes, out)
+
+
 @app.command("pipeline")
 def pipeline_command(
     config: Annotated[Path, typer.Argument(help="Pipeline YAML: model, output_dir, stages.")],

@@ -32,22 +32,23 @@ def _load_from_run(run_dir: Path) -> tuple[Policy, RunConfig]:
     return policy, cfg
 
 
-def run_eval(
-    model: str,
-    *,
-    task: str | None,
-    n: int,
-    k: int,
-    max_new_tokens: int | None,
-    temperature: float,
-) -> dict[str, float]:
-    """Defaults (token limit, stop strings, metric, rollout limits) come from the run's config."""
+def is_run_dir(model: str) -> bool:
     path = Path(model)
-    cfg: RunConfig
-    if path.is_dir() and (path / "config.yaml").exists():
-        policy, cfg = _load_from_run(path)
-    else:
-        policy, cfg = load_policy(model), load_config(None)
+    return path.is_dir() and (path / "config.yaml").exists()
+
+
+def load_model(model: str) -> tuple[Policy, RunConfig]:
+    """`model` as `rlvr eval` takes it: a RUN_DIR (its last checkpoint, LoRA adapters applied, and
+    its config) or an alias / model dir / hub id (with the default config)."""
+    if is_run_dir(model):
+        return _load_from_run(Path(model))
+    return load_policy(model), load_config(None)
+
+
+def with_task(cfg: RunConfig, task: str | None) -> tuple[RunConfig, Path | None]:
+    """`cfg` with its tasks (task, rewards, mixture, eval metric) replaced as `--task` says:
+    arithmetic, env:NAME, or a config .yaml (whose rollout and sampling come too). None keeps the
+    run's own tasks. Returns the config and the directory its reward files are relative to."""
     base_dir = None
     swap: RunConfig | None = None
     if task is None:
@@ -73,6 +74,21 @@ def run_eval(
         if task is not None and task.endswith((".yaml", ".yml")):
             update |= {"rollout": swap.rollout, "sampling": swap.sampling}
         cfg = cfg.model_copy(update=update)
+    return cfg, base_dir
+
+
+def run_eval(
+    model: str,
+    *,
+    task: str | None,
+    n: int,
+    k: int,
+    max_new_tokens: int | None,
+    temperature: float,
+) -> dict[str, float]:
+    """Defaults (token limit, stop strings, metric, rollout limits) come from the run's config."""
+    policy, cfg = load_model(model)
+    cfg, base_dir = with_task(cfg, task)
     limit = max_new_tokens or cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens
     sources = Sources(cfg, base_dir)
     generator = build_generator(policy, cfg)
