@@ -234,3 +234,30 @@ def test_pipeline_cli_prints_the_stage_table(pipeline_dir: Path) -> None:
     assert result.exit_code == 0, result.output
     for word in ("start", "sft", "dpo", "grpo", "held-out accuracy"):
         assert word in result.output
+
+
+def test_a_monitor_that_stops_an_rl_stage_stops_the_pipeline(
+    pipeline_dir: Path, tiny_model_dir: Path
+) -> None:
+    (pipeline_dir / "const.py").write_text("def const(completion, **_):\n    return 1.0\n")
+    rl = {
+        "task": {"source": "arithmetic", "arithmetic": {"digits": 1}},
+        "rewards": [{"fn": "const.py:const", "name": "const"}],
+        "sampling": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 4},
+        "train": {"steps": 12},
+        "eval": {"at_start": False, "at_end": False},
+        "monitors": {"echo_trap": {"action": "stop"}},
+        "tracking": {"trackio": False, "progress": False},
+    }
+    cfg = PipelineConfig.model_validate(
+        {
+            "model": str(tiny_model_dir),
+            "output_dir": str(pipeline_dir / "stop_run"),
+            "eval": {"each_stage": False},
+            "stages": [{"name": "rl", "kind": "rl", "config": rl}],
+        }
+    )
+    with pytest.raises(ConfigError, match="stopped by a monitor") as err:
+        run_pipeline(cfg, config_dir=pipeline_dir, echo=lambda _: None)
+    assert "echo_trap/zero_variance" in str(err.value)
+    assert not (pipeline_dir / "stop_run" / "rl" / "stage.json").exists()

@@ -208,6 +208,12 @@ def _run_stage(
             raise ConfigError(_format_validation_error(err, f"stage '{stage.name}'")) from None
         resume = bool(checkpoint_dirs(stage_dir))
         summary = train(cfg, resume=resume, config_dir=base)
+        if summary.stopped_early:
+            # Not finished: no marker, so later stages do not build on it; a rerun resumes it.
+            raise ConfigError(
+                f"stage '{stage.name}' was stopped by a monitor at step {summary.steps_done} "
+                f"({summary.stopped_early}); see rlvr report {stage_dir}"
+            )
         metrics = dict(summary.eval_history[-1][1]) if summary.eval_history else {}
         return _rl_model_dir(stage_dir, cfg, stage_dir), metrics, cfg
 
