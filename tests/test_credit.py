@@ -168,7 +168,7 @@ def test_assign_credit_bi_level_by_hand() -> None:
     # outcome (scale off): rewards [1, 0] -> A = [0.5, -0.5]
     # turn (gamma 1): R = [[1, 1], [0]], mean 2/3 -> [[1/3, 1/3], [-2/3]]
     # bi-level, weight 0.5: a: 0.5 + 1/6 = 2/3 on both turns; b: -0.5 - 1/3 = -5/6
-    out = assign_credit([a, b], cfg, "grpo")
+    out = assign_credit([a, b], cfg, "grpo").token_advantages
     assert out[0] == approx([2 / 3, 2 / 3, 0.0, 0.0, 0.0, 2 / 3, 2 / 3], 1e-6)
     assert out[1] == approx([-5 / 6, -5 / 6], 1e-6)
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlvr.config import load_config
 from rlvr.envs import ENV_FAMILIES, EnvFamily, get_env_family
@@ -70,6 +71,11 @@ def test_a_user_env_family_loads_from_a_file() -> None:
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_example_config_loads(path: Path) -> None:
+    if "stages" in (yaml.safe_load(path.read_text()) or {}):  # a pipeline, not a train config
+        from rlvr.pipeline import check_stages, load_pipeline_config
+
+        check_stages(load_pipeline_config(path), path.parent)  # every stage's own config, too
+        return
     cfg = load_config(path)
     assert cfg.components()
 

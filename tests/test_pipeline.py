@@ -261,3 +261,13 @@ def test_a_monitor_that_stops_an_rl_stage_stops_the_pipeline(
         run_pipeline(cfg, config_dir=pipeline_dir, echo=lambda _: None)
     assert "echo_trap/zero_variance" in str(err.value)
     assert not (pipeline_dir / "stop_run" / "rl" / "stage.json").exists()
+
+
+def test_a_typo_in_a_late_stage_fails_before_anything_trains(pipeline_dir: Path) -> None:
+    data = yaml.safe_load((pipeline_dir / "tiny_pipeline.yaml").read_text())
+    data["stages"][2]["config"]["train"]["stepz"] = 3
+    (pipeline_dir / "typo.yaml").write_text(yaml.safe_dump(data))
+    cfg = load_pipeline_config(pipeline_dir / "typo.yaml")
+    with pytest.raises(ConfigError, match=r"stage 'grpo': unknown key 'train\.stepz'"):
+        run_pipeline(cfg, config_dir=pipeline_dir, echo=lambda _: None)
+    assert not (pipeline_dir / "run" / "sft").exists()

@@ -124,12 +124,16 @@ def load_pipeline_config(path: str | Path, overrides: list[str] | None = None) -
 # ---------------------------------------------------------------------------------------------- running
 def _substitute(value: Any, models: dict[str, Path]) -> Any:
     """Replace `{stage:NAME}` in every string of a config with that stage's model directory."""
+    return _substitute_with(value, lambda name: str(models[name]))
+
+
+def _substitute_with(value: Any, lookup: Any) -> Any:
     if isinstance(value, str):
-        return _PLACEHOLDER.sub(lambda m: str(models[m.group(1)]), value)
+        return _PLACEHOLDER.sub(lambda m: lookup(m.group(1)), value)
     if isinstance(value, dict):
-        return {k: _substitute(v, models) for k, v in value.items()}
+        return {k: _substitute_with(v, lookup) for k, v in value.items()}
     if isinstance(value, list):
-        return [_substitute(v, models) for v in value]
+        return [_substitute_with(v, lookup) for v in value]
     return value
 
 
@@ -260,6 +264,39 @@ def _run_stage(
     return result.model_dir, dict(result.metrics), None
 
 
+def check_stages(cfg: PipelineConfig, base: Path) -> None:
+    """Validate every stage's config before anything trains, so a typo in the last stage does not
+    surface after an hour of the first; `{stage:NAME}` paths are not checked (they do not exist yet)."""
+    from rlvr.offline.config import DistillDataConfig, DPOConfig, RewardModelConfig, SFTConfig
+
+    classes: dict[str, Any] = {
+        "sft": SFTConfig,
+        "distill": SFTConfig,
+        "dpo": DPOConfig,
+        "reward_model": RewardModelConfig,
+        "rl": RunConfig,
+    }
+    for stage in cfg.stages:
+        data = _without_placeholders(_stage_data(stage, base))
+        model = {**(data.get("model") or {}), "name": "placeholder"}
+        payload = {**data, "model": model, "output_dir": str(Path(cfg.output_dir) / stage.name)}
+        where = f"stage '{stage.name}'"
+        try:
+            classes[stage.kind].model_validate(payload)
+            if stage.kind == "distill":
+                teacher = {
+                    **_without_placeholders(dict(stage.teacher_data)),
+                    "output_path": "x.jsonl",
+                }
+                DistillDataConfig.model_validate(teacher)
+        except ValidationError as err:
+            raise ConfigError(_format_validation_error(err, where)) from None
+
+
+def _without_placeholders(value: Any) -> Any:
+    return _substitute_with(value, lambda _name: "placeholder")
+
+
 def run_pipeline(
     cfg: PipelineConfig, *, config_dir: Path | None = None, echo: Any = print
 ) -> list[dict[str, Any]]:
@@ -269,6 +306,7 @@ def run_pipeline(
     OUTPUT_DIR/pipeline.json after each stage.
     """
     base = (config_dir or Path.cwd()).resolve()
+    check_stages(cfg, base)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pipeline.yaml").write_text(
