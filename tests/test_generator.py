@@ -475,3 +475,21 @@ def test_shared_prefix_prefill_samples_what_the_plain_prefill_samples(tiny_model
     for plain, shared in zip(*results, strict=True):
         assert plain.token_ids == shared.token_ids
         assert max(abs(a - b) for a, b in zip(plain.logprobs, shared.logprobs, strict=True)) < 1e-4
+
+
+def test_inverse_cdf_sampling_never_draws_a_zero_probability_token() -> None:
+    from rlvr.rollout.hf import inverse_cdf_sample
+
+    rows = 4000
+    # Zero mass at the start, in the middle and at the end; a 49k-id row with a tiny tail.
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0]).repeat(rows, 1)
+    rng = torch.Generator().manual_seed(3)
+    tokens = inverse_cdf_sample(probs, rng)
+    freq = torch.bincount(tokens, minlength=5).float() / rows
+    assert freq[0] == freq[2] == freq[4] == 0.0
+    torch.testing.assert_close(freq, torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0]), rtol=0, atol=0.03)
+    wide = torch.full((rows, 49152), 1e-6)
+    wide[:, 100] = 1.0
+    wide_tokens = inverse_cdf_sample(wide, rng)
+    # the tail holds 49151e-6 = 0.049 of 1.049: token 100 is drawn 1 / 1.049 = 95.3% of the time
+    assert 0.94 < float((wide_tokens == 100).float().mean()) < 0.965

@@ -437,44 +437,44 @@ def test_action_stop_ends_the_run_with_a_checkpoint(
 def test_action_mitigate_raises_beta_with_a_new_reference_and_resumes_exactly(
     tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """The hacking setup with action mitigate (and a hair trigger, to fire by step 6: reward over
-    steps 1-3 ~0.11, over 4-6 ~0.16): beta 0 -> 0.04 at the alert; a full fine-tuning run then
+    """The hacking setup with action mitigate (and a low trigger, to fire by the step-9 eval: train
+    reward over steps 1-3 ~0.13, over 7-9 ~0.2 while held-out `correct` stays 0): beta 0 -> 0.04; a full fine-tuning run then
     loads the base model as its reference, so `kl` appears from the next step. A run stopped after
     the mitigation and resumed matches the uninterrupted one."""
     common = (
-        "train.steps=8", "eval.every=3", "eval.n=4", "eval.metric=correct", "eval.at_end=false",
+        "train.steps=11", "eval.every=3", "eval.n=4", "eval.metric=correct", "eval.at_end=false",
         "monitors.reward_hacking.action=mitigate", "monitors.reward_hacking.window=3",
-        "monitors.reward_hacking.reward_rise=0.03", "checkpoint.every=7",
+        "monitors.reward_hacking.reward_rise=0.03", "checkpoint.every=10",
     )  # fmt: skip
     full, steps, events = tiny_run(tiny_config_dir, tiny_model_dir, tmp_path / "full", *common)
     fired = next(e for e in events if e["event"] == "reward_hacking/heldout")
     assert fired["changes"] == {"objective.beta": 0.04}
     assert all("kl" not in r for r in steps if r["step"] <= fired["step"])
     assert all(r["kl"] > 0 for r in steps if r["step"] > fired["step"])
-    state = json.loads((full.run_dir / "checkpoints" / "step-000007" / "state.json").read_text())
+    state = json.loads((full.run_dir / "checkpoints" / "step-000010" / "state.json").read_text())
     assert state["monitors"]["changes"] == {"objective.beta": 0.04}
 
     class Stop(Exception):
         pass
 
-    def stop_at_7(step: int, _metrics: object) -> None:
-        if step == 7:
+    def stop_at_10(step: int, _metrics: object) -> None:
+        if step == 10:
             raise Stop
 
     split = tmp_path / "split"
     with pytest.raises(Stop):
-        tiny_run(tiny_config_dir, tiny_model_dir, split, *common, on_step_end=stop_at_7)
+        tiny_run(tiny_config_dir, tiny_model_dir, split, *common, on_step_end=stop_at_10)
     cfg = load_config(split / "config.yaml", ["tracking.progress=false"])
     train(cfg, resume=True, config_dir=tiny_config_dir)
-    resumed = [r for r in read_metrics(split) if r["step"] == 8]
-    original = [r for r in read_metrics(full.run_dir) if r["step"] == 8]
+    resumed = [r for r in read_metrics(split) if r["step"] == 11]
+    original = [r for r in read_metrics(full.run_dir) if r["step"] == 11]
     timing = {"time", "step_time", "rollout_time", "update_time", "tokens_per_second"}
 
     def strip(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{k: v for k, v in r.items() if k not in timing} for r in rows]
 
     assert strip(resumed) == strip(original) and "kl" in resumed[0]
-    assert fired["step"] < 7
+    assert fired["step"] < 10
 
 
 def test_action_mitigate_turns_on_starpo_s_and_the_run_goes_on(
