@@ -129,7 +129,9 @@ def policy_update(
 
     model.eval()  # pi_old and pi_ref are scored without dropout; the gradient pass below trains
     with torch.no_grad():
-        needs_old = obj.num_iterations > 1 or obj.tis_cap is not None
+        # On-policy (one update per batch) pi_old is the current policy: its log-probs come free from
+        # the gradient pass (detached), for the ratio and for truncated IS alike; no extra forward.
+        needs_old = obj.num_iterations > 1
         old_logprobs = [logprobs_of(model, b) for b in batches] if needs_old else None
         ref_logprobs = None
         if kl_in_loss:
