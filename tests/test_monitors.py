@@ -468,7 +468,14 @@ def test_action_mitigate_raises_beta_with_a_new_reference_and_resumes_exactly(
     train(cfg, resume=True, config_dir=tiny_config_dir)
     resumed = [r for r in read_metrics(split) if r["step"] == 11]
     original = [r for r in read_metrics(full.run_dir) if r["step"] == 11]
-    timing = {"time", "step_time", "rollout_time", "update_time", "tokens_per_second"}
+    timing = {
+        "time",
+        "step_time",
+        "rollout_time",
+        "update_time",
+        "tokens_per_second",
+        "perf/update_gflops_per_s",
+    }
 
     def strip(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{k: v for k, v in r.items() if k not in timing} for r in rows]

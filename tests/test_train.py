@@ -13,7 +13,14 @@ from rlvr.observe.tracking import read_metrics
 from rlvr.train.loop import train
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-TIMING_KEYS = {"time", "step_time", "rollout_time", "update_time", "tokens_per_second"}
+TIMING_KEYS = {
+    "time",
+    "step_time",
+    "rollout_time",
+    "update_time",
+    "tokens_per_second",
+    "perf/update_gflops_per_s",
+}
 
 
 def tiny_cfg(config_dir: Path, model_dir: Path, out: Path, *overrides: str) -> RunConfig:

@@ -11,6 +11,7 @@ import torch
 
 from rlvr.config import ModelConfig, RewardSpec, RunConfig
 from rlvr.models import LoraSettings, Policy, eos_token_ids, load_policy
+from rlvr.optim import adamw
 from rlvr.rollout.engine import RolloutLimits
 from rlvr.rollout.hf import HFGenerator
 from rlvr.verifiers import RewardFunction, Rubric, resolve_reward_fn
@@ -74,7 +75,7 @@ def build_generator(policy: Policy, cfg: RunConfig) -> HFGenerator:
 
 def build_optimizer(policy: Policy, cfg: RunConfig) -> tuple[torch.optim.Optimizer, Any]:
     tc = cfg.train
-    optimizer = torch.optim.AdamW(
+    optimizer = adamw(
         policy.trainable_parameters(),
         lr=tc.learning_rate,
         betas=tc.adam_betas,

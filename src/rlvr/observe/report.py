@@ -70,6 +70,7 @@ PANELS = (
     Panel("critic_fit", "Critic: value loss, explained variance, clip fraction", (("critic/value_loss", "value loss"), ("critic/explained_variance", "explained variance"), ("critic/vf_clipfrac", "clip fraction"))),
     Panel("critic_values", "Critic values vs returns", (("critic/values_mean", "values"), ("critic/returns_mean", "returns"))),
     Panel("step_time", "Seconds per step", (("step_time", "step"), ("rollout_time", "rollout"), ("update_time", "update"))),
+    Panel("throughput", "Policy update: model GFLOP/s achieved", (("perf/update_gflops_per_s", "update"),)),
 )  # fmt: skip
 
 

@@ -35,6 +35,7 @@ from rlvr.observe.progress import Progress
 from rlvr.observe.tracking import Tracker, read_metrics
 from rlvr.offline.config import OfflineTrainConfig, _StageConfig
 from rlvr.offline.data import TokenBatch
+from rlvr.optim import adamw
 from rlvr.train.batch import autocast_context
 from rlvr.train.checkpoint import (
     checkpoint_dirs,
@@ -139,7 +140,7 @@ def build_optimizer(
     params: list[torch.nn.Parameter], train: OfflineTrainConfig, learning_rate: float, steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW with linear warmup, then a constant, linear-to-zero or cosine-to-zero schedule."""
-    optimizer = torch.optim.AdamW(
+    optimizer = adamw(
         params, lr=learning_rate, betas=train.adam_betas, weight_decay=train.weight_decay
     )
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from rlvr.rollout.fastlinear import SkinnyLinear
 from rlvr.rollout.generator import Completion, SamplingParams
 
 
@@ -104,6 +105,7 @@ class HFGenerator:
         autocast_bf16: bool = True,
         max_batch_rows: int = 256,
         min_shared_prefix: int = 32,
+        skinny_linear: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -112,6 +114,7 @@ class HFGenerator:
         self.autocast_bf16 = autocast_bf16
         self.max_batch_rows = max_batch_rows
         self.min_shared_prefix = min_shared_prefix
+        self.skinny_linear = skinny_linear
         self.rng = torch.Generator().manual_seed(seed)
 
     # The sampler's state travels with checkpoints (see train/checkpoint.py).
@@ -125,6 +128,10 @@ class HFGenerator:
         if self.autocast_bf16:
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def _decode_context(self) -> contextlib.AbstractContextManager[Any]:
+        # Few rows per matmul while decoding: the W @ x^T layout is faster there (fastlinear.py).
+        return SkinnyLinear() if self.skinny_linear else contextlib.nullcontext()
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
@@ -196,7 +203,7 @@ class HFGenerator:
                 next_pos_B = next_pos_B[index]
                 active = [active[b] for b in keep]
             mask_B_L = torch.cat([mask_B_L, torch.ones((len(active), 1), dtype=torch.long)], dim=1)
-            with self._autocast():
+            with self._autocast(), self._decode_context():
                 out = self.model(
                     input_ids=new_tokens_B[:, None],
                     attention_mask=mask_B_L,

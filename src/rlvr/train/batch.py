@@ -146,17 +146,50 @@ def token_distributions(
     checkpointing = model.training and _activation_checkpointing(model)
     with autocast_context(bf16):
         if share_prefix and not checkpointing:
-            logits_B_C_V = _shared_prefix_logits(model, batch)
+            pieces = _shared_prefix_logits(model, batch)
         else:
-            logits_B_C_V = _plain_logits(model, batch)
-    logits_B_C_V = logits_B_C_V.float() / temperature
-    logprobs_B_C_V = torch.log_softmax(logits_B_C_V, dim=-1)
-    logprobs_B_C = logprobs_B_C_V.gather(2, batch.completion_ids_B_C[:, :, None]).squeeze(2)
-    entropy_B_C = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy_B_C = -(logprobs_B_C_V.exp() * logprobs_B_C_V).sum(dim=-1)
-    return logprobs_B_C, entropy_B_C, logprobs_B_C_V if with_full else None
+            pieces = [_plain_logits(model, batch)]
+    # The logits are the largest tensors of the step (B x C x 49k floats for SmolLM2): each piece is
+    # turned into per-token values at once and never concatenated; the temperature divides in place
+    # (the lm_head's backward does not need its output).
+    targets_B_C = batch.completion_ids_B_C
+    logprobs, entropies, fulls = [], [], []
+    start = 0
+    for logits_B_c_V in pieces:
+        width = logits_B_c_V.shape[1]
+        logits_B_c_V = logits_B_c_V.float()
+        if temperature != 1.0:
+            logits_B_c_V = logits_B_c_V.div_(temperature)
+        logprobs_B_c_V = torch.log_softmax(logits_B_c_V, dim=-1)
+        del logits_B_c_V
+        target_B_c = targets_B_C[:, start : start + width]
+        logprobs.append(logprobs_B_c_V.gather(2, target_B_c[:, :, None]).squeeze(2))
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropies.append(_entropy(logprobs_B_c_V))
+        if with_full:
+            fulls.append(logprobs_B_c_V)
+        start += width
+    logprobs_B_C = torch.cat(logprobs, dim=1)
+    entropy_B_C = torch.cat(entropies, dim=1) if with_entropy else None
+    full_B_C_V = None
+    if with_full:
+        full_B_C_V = fulls[0] if len(fulls) == 1 else torch.cat(fulls, dim=1)
+    return logprobs_B_C, entropy_B_C, full_B_C_V
+
+
+def _entropy(logprobs_B_c_V: torch.Tensor, rows_per_chunk: int = 4) -> torch.Tensor:
+    """-sum p log p over the vocabulary, (B, c). As a metric (no gradient) it runs a few rows at a time,
+    so p and p log p never exist for the whole micro-batch at once."""
+    if torch.is_grad_enabled() and logprobs_B_c_V.requires_grad:
+        return -(logprobs_B_c_V.exp() * logprobs_B_c_V).sum(dim=-1)
+    return torch.cat(
+        [
+            -(chunk.exp() * chunk).sum(dim=-1)
+            for chunk in logprobs_B_c_V.detach().split(rows_per_chunk, dim=0)
+        ],
+        dim=0,
+    )
 
 
 def _plain_logits(model: Any, batch: TrainBatch) -> torch.Tensor:
@@ -177,8 +210,9 @@ def _plain_logits(model: Any, batch: TrainBatch) -> torch.Tensor:
     return out.logits[:, :-1, :]
 
 
-def _shared_prefix_logits(model: Any, batch: TrainBatch) -> torch.Tensor:
-    """Prompts once, their KV cache gathered per row, completions on top. Returns (B, C, V) logits."""
+def _shared_prefix_logits(model: Any, batch: TrainBatch) -> list[torch.Tensor]:
+    """Prompts once, their KV cache gathered per row, completions on top. Returns the logits scoring
+    the C completion tokens in two pieces, [(B, 1, V) from the prompt's last position, (B, C-1, V)]."""
     cache = DynamicCache()
     prompt_positions = (batch.prompt_mask_P_Lp.cumsum(dim=1) - 1).clamp(min=0)
     out_p = model(
@@ -196,21 +230,23 @@ def _shared_prefix_logits(model: Any, batch: TrainBatch) -> torch.Tensor:
         )
     # The gather is an index op, so gradients of every row flow back into the shared prompt pass.
     cache.batch_select_indices(batch.row_prompt_B)
-    first_logits_B_V = out_p.logits[:, -1, :].index_select(0, batch.row_prompt_B)
+    first_logits_B_1_V = out_p.logits[:, -1:, :].index_select(0, batch.row_prompt_B)
+    if batch.completion_width == 1:
+        return [first_logits_B_1_V]
     prompt_mask_B_Lp = batch.prompt_mask_P_Lp.index_select(0, batch.row_prompt_B)
-    attention = torch.cat([prompt_mask_B_Lp, batch.completion_mask_B_C], dim=1)
-    positions = (
-        prompt_mask_B_Lp.sum(dim=1, keepdim=True) + torch.arange(batch.completion_width)[None, :]
-    )
+    # The last completion token predicts nothing that is scored: it is not fed.
+    width = batch.completion_width - 1
+    attention = torch.cat([prompt_mask_B_Lp, batch.completion_mask_B_C[:, :width]], dim=1)
+    positions = prompt_mask_B_Lp.sum(dim=1, keepdim=True) + torch.arange(width)[None, :]
     out_c = model(
-        input_ids=batch.completion_ids_B_C,
+        input_ids=batch.completion_ids_B_C[:, :width],
         attention_mask=attention,
         position_ids=positions,
         cache=cache,
         use_cache=True,
-        logits_to_keep=batch.completion_width,
+        logits_to_keep=width,
     )
-    return torch.cat([first_logits_B_V[:, None, :], out_c.logits[:, :-1, :]], dim=1)
+    return [first_logits_B_1_V, out_c.logits]
 
 
 def _activation_checkpointing(model: Any) -> bool:

@@ -11,6 +11,7 @@ import torch
 from rlvr.config import RunConfig
 from rlvr.errors import ConfigError
 from rlvr.models import LoraSettings, Policy, load_policy
+from rlvr.optim import adamw
 from rlvr.records import Trajectory
 from rlvr.train.batch import TrainBatch, collate
 from rlvr.train.critic import ValueModel, build_critic, critic_update
@@ -34,7 +35,7 @@ class RunCritic:
         self.cfg = cfg
         self.model: ValueModel = build_critic(c.model or cfg.model.name, lora, torch.float32)
         params = self.model.trainable_parameters()
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = adamw(
             params,
             lr=c.learning_rate,
             betas=cfg.train.adam_betas,

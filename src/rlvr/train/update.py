@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from rlvr.algorithms import (
 from rlvr.build import use_bf16
 from rlvr.config import RunConfig
 from rlvr.models import Policy
+from rlvr.observe.flops import backward_flops, forward_flops, linear_weights
 from rlvr.records import Trajectory
 from rlvr.train.batch import TrainBatch, collate, token_distributions, token_logprobs
 
@@ -91,6 +93,7 @@ def policy_update(
     Micro-batches accumulate gradients; the aggregation's normalisers are counted over the whole
     batch, so the accumulated gradient equals the full-batch gradient.
     """
+    started = time.perf_counter()
     obj, model = cfg.objective, policy.model
     bf16 = use_bf16(cfg.model)
     loss_fn = POLICY_LOSSES[ALGORITHMS[cfg.algorithm].policy_loss]
@@ -241,6 +244,7 @@ def policy_update(
         # Generator vs trainer log-prob gap on the same tokens (numerics, or a stale/other engine).
         "update/behaviour_logprob_abs_diff": per_token("behaviour_logprob_diff", n_fwd),
     }
+    metrics.update(_throughput(policy, batches, cfg, kl_in_loss, time.perf_counter() - started))
     if "kl" in sums:
         metrics["kl"] = per_token("kl", n_tok)
     if "tis_weight" in sums:
@@ -249,6 +253,32 @@ def policy_update(
     if "distill" in sums:
         metrics["distill/reverse_kl"] = per_token("distill", n_fwd)
     return metrics
+
+
+def _throughput(
+    policy: Policy, batches: Sequence[TrainBatch], cfg: RunConfig, kl_in_loss: bool, seconds: float
+) -> dict[str, float]:
+    """Model FLOPs of this update (rlvr.observe.flops) and the rate they ran at: the pi_ref and
+    pi_old forwards when they ran, then forward + backward per iteration. A teacher's forward
+    (distill) is not counted."""
+    weights = linear_weights(policy.model)
+    share = cfg.train.share_prompt_prefix
+    forward = backward = 0.0
+    for b in batches:
+        completion = float(b.completion_mask_B_C.sum())
+        if share:
+            prompt = float(b.prompt_mask_P_Lp.sum())
+        else:
+            prompt = float(b.prompt_mask_P_Lp.index_select(0, b.row_prompt_B).sum())
+        forward += forward_flops(weights, prompt + completion, completion)
+        backward += backward_flops(weights, prompt + completion, completion)
+    obj = cfg.objective
+    extra_forwards = int(kl_in_loss) + int(obj.num_iterations > 1)
+    flops = forward * (extra_forwards + obj.num_iterations) + backward * obj.num_iterations
+    return {
+        "perf/update_gflops": flops / 1e9,
+        "perf/update_gflops_per_s": flops / 1e9 / seconds if seconds > 0 else float("nan"),
+    }
 
 
 def reference_logprobs(

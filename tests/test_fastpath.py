@@ -1,0 +1,201 @@
+"""Every numerical shortcut taken for speed or memory agrees with the plain computation (issue 7).
+
+- SkinnyLinear (decode-time W @ x^T layout) vs F.linear, alone and through a model;
+- the generator with and without it;
+- fused AdamW vs torch's default AdamW;
+- the trainer's chunked entropy and per-piece log-probs vs a hand computation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlvr.models import eos_token_ids, load_policy
+from rlvr.optim import adamw
+from rlvr.records import Trajectory
+from rlvr.rollout.fastlinear import SkinnyLinear
+from rlvr.rollout.generator import SamplingParams
+from rlvr.rollout.hf import HFGenerator
+from rlvr.train.batch import collate, token_distributions
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> tuple[Any, Any]:
+    policy = load_policy(str(tiny_model_dir))
+    policy.model.eval()
+    return policy.model, policy.tokenizer
+
+
+# ------------------------------------------------------------------------------- SkinnyLinear
+@pytest.mark.parametrize("shape", [(16, 64), (2, 3, 64), (1, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear_equals_f_linear(shape: tuple[int, ...], with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen)
+    weight = torch.randn(96, 64, generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    expected = F.linear(x, weight, bias)
+    with SkinnyLinear() as mode:
+        got = F.linear(x, weight, bias)
+    assert mode.calls == 1
+    assert got.shape == expected.shape and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_skinny_linear_leaves_many_rows_alone() -> None:
+    x, weight = torch.randn(300, 8), torch.randn(4, 8)
+    with SkinnyLinear(max_rows=256) as mode:
+        got = F.linear(x, weight)
+    assert mode.calls == 0
+    assert torch.equal(got, F.linear(x, weight))
+
+
+def test_skinny_linear_model_logits_and_gradients_match(tiny: tuple[Any, Any]) -> None:
+    model, _ = tiny
+    ids = torch.randint(4, 100, (3, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with SkinnyLinear() as mode:
+            skinny = model(input_ids=ids).logits
+    assert mode.calls > 0
+    torch.testing.assert_close(skinny, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_generator_samples_the_same_with_and_without_skinny_linear(tiny: tuple[Any, Any]) -> None:
+    model, tok = tiny
+    eos = eos_token_ids(model, tok)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=12)
+    out = {}
+    for skinny in (True, False):
+        gen = HFGenerator(model, tok, eos, seed=3, autocast_bf16=False, skinny_linear=skinny)
+        out[skinny] = gen.generate(prompts, sampling)
+    for group_a, group_b in zip(out[True], out[False], strict=True):
+        for a, b in zip(group_a, group_b, strict=True):
+            assert a.token_ids == b.token_ids  # the same draws: log-probs differ by rounding only
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0.0, atol=1e-5
+            )
+
+
+# ---------------------------------------------------------------------------------- fused AdamW
+def test_fused_adamw_matches_default_adamw() -> None:
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(7, 5, generator=gen), torch.randn(11, generator=gen)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(5)]
+    results = []
+    for make in (
+        lambda ps: adamw(ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1),
+        lambda ps: torch.optim.AdamW(
+            ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, foreach=False
+        ),
+    ):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = make(params)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        results.append([p.detach() for p in params])
+    assert opt.defaults.get("fused") in (None, False)  # the second one is the plain loop
+    for fused, plain in zip(*results, strict=True):
+        torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+
+
+def test_adamw_is_fused_on_cpu() -> None:
+    opt = adamw([torch.nn.Parameter(torch.zeros(3))], lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+    assert opt.defaults["fused"] is True
+
+
+# ------------------------------------------------------------------- trainer log-probs, entropy
+def _trajectory(prompt: list[int], completion: list[int]) -> Trajectory:
+    n_p, n_c = len(prompt), len(completion)
+    return Trajectory(
+        task_id="t",
+        token_ids=tuple(prompt + completion),
+        policy_mask=(0,) * n_p + (1,) * n_c,
+        logprobs=(0.0,) * (n_p + n_c),
+        prompt_length=n_p,
+        completion_text="",
+        finish_reason="length",
+    )
+
+
+@pytest.mark.parametrize("share_prefix", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_trainer_logprobs_entropy_and_full_distribution_by_hand(
+    tiny: tuple[Any, Any], share_prefix: bool, temperature: float
+) -> None:
+    model, tok = tiny
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(4, 100, (6,), generator=gen).tolist()
+    rows = [
+        _trajectory(prompt, torch.randint(4, 100, (n,), generator=gen).tolist()) for n in (1, 4, 7)
+    ]
+    batch = collate(rows, [[0.0] * (len(r.token_ids) - 6) for r in rows], int(tok.pad_token_id))
+    with torch.no_grad():
+        logp_B_C, entropy_B_C, full_B_C_V = token_distributions(
+            model, batch, temperature, with_entropy=True, share_prefix=share_prefix
+        )
+        assert entropy_B_C is not None and full_B_C_V is not None
+        for i, row in enumerate(rows):
+            logits = model(input_ids=torch.tensor([row.token_ids])).logits[0].float()
+            dist = torch.log_softmax(logits / temperature, dim=-1)[5:-1]  # positions predicting C
+            n = len(row.token_ids) - 6
+            targets = torch.tensor(row.token_ids[6:])
+            torch.testing.assert_close(
+                logp_B_C[i, :n], dist.gather(1, targets[:, None]).squeeze(1), atol=1e-5, rtol=0
+            )
+            hand_entropy = -(dist.exp() * dist).sum(-1)
+            torch.testing.assert_close(entropy_B_C[i, :n], hand_entropy, atol=1e-5, rtol=0)
+            torch.testing.assert_close(full_B_C_V[i, :n], dist, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------ FLOP count
+class _TwoLayer(torch.nn.Module):
+    """embedding (not a matmul) -> body (8x4, frozen) -> head (10x8, trainable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.body = torch.nn.Linear(4, 8, bias=False)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.body.requires_grad_(False)
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
+
+
+def test_flop_count_by_hand() -> None:
+    from rlvr.observe.flops import backward_flops, forward_flops, linear_weights
+
+    weights = linear_weights(_TwoLayer())
+    assert (weights.body_frozen, weights.body_trainable) == (32, 0)
+    assert (weights.head_trainable, weights.head_frozen) == (80, 0)
+    # 5 positions through the body, logits at 3: 2 * (32 * 5 + 80 * 3) = 800
+    assert forward_flops(weights, 5, 3) == 800.0
+    # backward: activations' gradient (= forward, 800) + the head's weight gradient (2 * 80 * 3)
+    assert backward_flops(weights, 5, 3) == 800.0 + 480.0
+
+
+def test_update_reports_its_flops(tiny: tuple[Any, Any], tiny_model_dir: Path) -> None:
+    from rlvr.config import load_config
+    from rlvr.models import load_policy
+    from rlvr.observe.flops import forward_flops, linear_weights
+    from rlvr.train.update import policy_update
+
+    cfg = load_config(None, [f"model.name={tiny_model_dir}", "objective.beta=0.0"])
+    policy = load_policy(str(tiny_model_dir))
+    rows = [_trajectory([5, 6, 7], [8, 9]), _trajectory([5, 6, 7], [10, 11, 12])]
+    opt = adamw(policy.trainable_parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0)
+    metrics = policy_update(policy, opt, rows, [[1.0, 1.0], [-1.0, -1.0, -1.0]], cfg)
+    weights = linear_weights(policy.model)
+    # one shared 3-token prompt + 5 completion tokens, every weight trainable: fwd + 2 x fwd
+    expected = 3 * forward_flops(weights, 3 + 5, 5)
+    assert metrics["perf/update_gflops"] == pytest.approx(expected / 1e9)
+    assert metrics["perf/update_gflops_per_s"] > 0
