@@ -288,3 +288,24 @@ def test_eval_command_on_a_built_in_env(tiny_model_dir: Path) -> None:
     assert results["eval/accuracy"] in (0.0, 1 / 3, 2 / 3, 1.0)
     with pytest.raises(ConfigError, match="expected arithmetic, env:NAME"):
         run_eval(str(tiny_model_dir), task="bandit", n=3, k=1, max_new_tokens=8, temperature=1.0)
+
+
+def test_time_limit_stops_after_the_step_that_crosses_it(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A budget shorter than one step: the run ends after step 1 with a checkpoint and a final eval,
+    and resuming continues from there."""
+    out = tmp_path / "limited"
+    cfg = tiny_cfg(
+        tiny_config_dir, tiny_model_dir, out, "train.steps=5", "train.time_limit_minutes=0.0001"
+    )
+    summary = train(cfg, config_dir=tiny_config_dir)
+    assert summary.time_limited and summary.steps_done == 1 and not summary.stopped_early
+    assert (out / "checkpoints" / "step-000001" / "optimizer.pt").exists()
+    assert summary.eval_history[-1][0] == 1  # the final eval ran, at step 1
+    resumed = train(
+        load_config(out / "config.yaml", ["train.time_limit_minutes=null"]),
+        resume=True,
+        config_dir=tiny_config_dir,
+    )
+    assert resumed.steps_done == 5 and not resumed.time_limited

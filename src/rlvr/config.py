@@ -266,6 +266,12 @@ class TrainConfig(_Section):
         description="Run each prompt once per micro-batch and reuse its KV cache for its samples.",
     )
     seed: int = 0
+    time_limit_minutes: float | None = Field(
+        None,
+        gt=0.0,
+        description="Wall-clock budget: stop after the first step that ends past it (counted from "
+        "the first step's start), with a checkpoint and the final eval as at a normal end.",
+    )
     max_reward_error_fraction: float = Field(
         0.1,
         ge=0.0,

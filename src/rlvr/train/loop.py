@@ -83,6 +83,8 @@ class RunSummary:
     wall_seconds: float = 0.0
     # Why the run ended before train.steps: a monitor whose action is `stop` fired (None: it did not).
     stopped_early: str | None = None
+    # The run ended at train.time_limit_minutes rather than at train.steps.
+    time_limited: bool = False
 
 
 def seed_everything(seed: int) -> None:
@@ -211,6 +213,7 @@ def train(
             tracker.log(base, step=0)
             progress.note(f"held-out accuracy before training: {base['eval/accuracy']:.1%}")
 
+        first_step_started = time.time()
         for step in range(start_step + 1, cfg.train.steps + 1):
             t0 = time.time()
             # 1. tasks -> rollouts (multi-turn when the env asks), scored; the filter keeps the
@@ -296,6 +299,16 @@ def train(
                     f"stopped early at step {step}: {escape(summary.stopped_early)}"
                 )
                 break
+            limit = cfg.train.time_limit_minutes
+            if limit is not None and step < cfg.train.steps:
+                if time.time() - first_step_started >= 60.0 * limit:
+                    summary.time_limited = True
+                    if not (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                        save(step)
+                    progress.console.print(
+                        f"time limit of {limit:g} min reached after step {step}"
+                    )
+                    break
 
         if cfg.eval.at_end:
             final = run_eval()
