@@ -199,3 +199,45 @@ def test_update_reports_its_flops(tiny: tuple[Any, Any], tiny_model_dir: Path) -
     expected = 3 * forward_flops(weights, 3 + 5, 5)
     assert metrics["perf/update_gflops"] == pytest.approx(expected / 1e9)
     assert metrics["perf/update_gflops_per_s"] > 0
+
+
+# ------------------------------------------------------------------ sparse tied-embedding grad
+def test_sparse_tied_embedding_gradient_equals_the_dense_one(tiny_model_dir: Path) -> None:
+    from rlvr.models import sparse_tied_embedding_grad
+
+    ids = torch.randint(4, 100, (2, 9), generator=torch.Generator().manual_seed(2))
+    grads = {}
+    for sparse in (False, True):
+        policy = load_policy(str(tiny_model_dir))  # load_policy turns it on for a tied model
+        embedding = policy.model.get_input_embeddings()
+        assert embedding.weight is policy.model.get_output_embeddings().weight
+        embedding.sparse = sparse
+        for _ in range(2):  # two backward passes accumulate, as micro-batches do
+            policy.model(input_ids=ids).logits.square().mean().backward()
+        assert not embedding.weight.grad.is_sparse
+        grads[sparse] = {n: p.grad.clone() for n, p in policy.model.named_parameters()}
+        assert sparse_tied_embedding_grad(policy.model)
+    for name, dense in grads[False].items():
+        torch.testing.assert_close(grads[True][name], dense, rtol=1e-6, atol=1e-7)
+
+
+def test_untied_or_frozen_embeddings_stay_dense() -> None:
+    from rlvr.models import sparse_tied_embedding_grad
+
+    class Untied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+
+        def get_input_embeddings(self) -> torch.nn.Module:
+            return self.embed
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.head
+
+    model = Untied()
+    assert not sparse_tied_embedding_grad(model) and not model.embed.sparse
+    model.head.weight = model.embed.weight  # tied, but frozen
+    model.embed.weight.requires_grad_(False)
+    assert not sparse_tied_embedding_grad(model) and not model.embed.sparse

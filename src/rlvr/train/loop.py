@@ -300,15 +300,13 @@ def train(
                 )
                 break
             limit = cfg.train.time_limit_minutes
-            if limit is not None and step < cfg.train.steps:
-                if time.time() - first_step_started >= 60.0 * limit:
-                    summary.time_limited = True
-                    if not (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                        save(step)
-                    progress.console.print(
-                        f"time limit of {limit:g} min reached after step {step}"
-                    )
-                    break
+            out_of_time = limit is not None and time.time() - first_step_started >= 60.0 * limit
+            if out_of_time and step < cfg.train.steps:
+                summary.time_limited = True
+                if not (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                    save(step)
+                progress.console.print(f"time limit of {limit:g} min reached after step {step}")
+                break
 
         if cfg.eval.at_end:
             final = run_eval()
