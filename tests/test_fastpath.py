@@ -241,3 +241,58 @@ def test_untied_or_frozen_embeddings_stay_dense() -> None:
     model.head.weight = model.embed.weight  # tied, but frozen
     model.embed.weight.requires_grad_(False)
     assert not sparse_tied_embedding_grad(model) and not model.embed.sparse
+
+
+# --------------------------------------------------------------------------------- merged LoRA
+@pytest.fixture()
+def lora_policy(tiny_model_dir: Path) -> Any:
+    from rlvr.models import LoraSettings
+
+    policy = load_policy(str(tiny_model_dir), lora=LoraSettings(r=4, alpha=8, dropout=0.0))
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # nonzero B, so the adapters change the outputs
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    policy.model.eval()
+    return policy
+
+
+def test_merged_lora_gives_the_adapted_outputs_and_writes_nothing(lora_policy: Any) -> None:
+    from rlvr.rollout.fastlinear import merged_lora
+
+    model = lora_policy.model
+    ids = torch.randint(4, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+        with merged_lora(model) as merged:
+            fast = model(input_ids=ids).logits
+        with model.disable_adapter(), merged_lora(model) as merged_ref:
+            fast_base = model(input_ids=ids).logits
+    assert merged > 0 and merged_ref == 0  # the reference (adapters off) is left alone
+    assert (adapted - base).abs().max() > 1e-3  # the adapters matter here
+    torch.testing.assert_close(fast, adapted, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_base, base, rtol=0.0, atol=0.0)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    with torch.no_grad():  # the layers' own forward is back
+        torch.testing.assert_close(model(input_ids=ids).logits, adapted, rtol=0.0, atol=0.0)
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_lora_generator_samples_the_same_merged_or_not(lora_policy: Any) -> None:
+    model, tok = lora_policy.model, lora_policy.tokenizer
+    eos = eos_token_ids(model, tok)
+    sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=10)
+    out = {}
+    for merge in (True, False):
+        gen = HFGenerator(model, tok, eos, seed=1, autocast_bf16=False, merge_lora=merge)
+        out[merge] = gen.generate([[5, 6, 7, 8]], sampling)[0]
+    for a, b in zip(out[True], out[False], strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0.0, atol=1e-5
+        )

@@ -1,4 +1,6 @@
-"""Decode-time matmul layout: `F.linear(x, W)` computed as `(W @ x^T)^T` when x has few rows.
+"""Generation fast paths: the decode-time matmul layout, and LoRA layers run as one merged matmul.
+
+1. `SkinnyLinear`: `F.linear(x, W)` computed as `(W @ x^T)^T` when x has few rows.
 
 During decoding every linear layer multiplies a handful of rows (one new token per active sequence)
 by a large weight. On the CPUs this project runs on, oneMKL's sgemm handles `x @ W^T` with few rows
@@ -10,10 +12,19 @@ summation order: outputs agree with `F.linear` to float rounding (tested).
 Used as a context manager around the generator's forward passes; it intercepts only `F.linear`
 calls (every `nn.Linear`, including peft's LoRA layers) and only below `max_rows`, so prefill and
 the trainer's passes, where the plain layout is as fast, are untouched.
+
+2. `merged_lora`: while generating, each peft LoRA linear layer runs as one matmul with a temporary
+`W + scale * B @ A` instead of three (base, A, B) plus an add: the adapters cost a LoRA run's decode
+about a third more here (measured: rollout 19.1 s vs 14.4 s for full fine-tuning, same batch).
+Unlike peft's `merge_adapter`, the base weights are never written (merge/unmerge cycles would drift
+them by rounding, and they are the KL reference); the merged copies (the size of the adapted
+weights) live only for the `with` block.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,3 +59,44 @@ class SkinnyLinear(TorchFunctionMode):
                     out = out + bias
                 return out.reshape(*x.shape[:-1], weight.shape[0])
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def merged_lora(model: Any) -> Iterator[int]:
+    """Run every plain-LoRA linear layer of `model` as one matmul with merged weights inside the
+    block (no gradient: generation only). Yields how many layers were merged (0 for a model without
+    adapters, or with adapters disabled: the reference policy). Layers with a LoRA variant (DoRA...)
+    or already merged by peft keep their own forward."""
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError:  # peft is a dependency, but a plain model needs none of this
+        yield 0
+        return
+    patched: list[Any] = []
+    try:
+        with torch.no_grad():
+            for module in model.modules():
+                if not isinstance(module, LoraLinear) or module.merged or module.disable_adapters:
+                    continue
+                adapters = [a for a in module.active_adapters if a in module.lora_A]
+                base = module.get_base_layer()
+                if any(a in module.lora_variant for a in adapters) or not isinstance(
+                    base, torch.nn.Linear
+                ):
+                    continue
+                weight = base.weight
+                for adapter in adapters:
+                    weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+                module.forward = _merged_forward(weight, base.bias)  # type: ignore[method-assign]
+                patched.append(module)
+        yield len(patched)
+    finally:
+        for module in patched:
+            del module.forward  # back to the class's forward
+
+
+def _merged_forward(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    return forward

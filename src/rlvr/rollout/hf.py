@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from rlvr.rollout.fastlinear import SkinnyLinear
+from rlvr.rollout.fastlinear import SkinnyLinear, merged_lora
 from rlvr.rollout.generator import Completion, SamplingParams
 
 
@@ -106,6 +106,7 @@ class HFGenerator:
         max_batch_rows: int = 256,
         min_shared_prefix: int = 32,
         skinny_linear: bool = True,
+        merge_lora: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -115,6 +116,7 @@ class HFGenerator:
         self.max_batch_rows = max_batch_rows
         self.min_shared_prefix = min_shared_prefix
         self.skinny_linear = skinny_linear
+        self.merge_lora = merge_lora
         self.rng = torch.Generator().manual_seed(seed)
 
     # The sampler's state travels with checkpoints (see train/checkpoint.py).
@@ -152,7 +154,9 @@ class HFGenerator:
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._sample(prompts, sampling)
+            # LoRA adapters as one merged matmul per layer while sampling (fastlinear.py)
+            with merged_lora(self.model) if self.merge_lora else contextlib.nullcontext():
+                return self._sample(prompts, sampling)
         finally:
             self.model.train(was_training)
 
