@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench setup clean
+.PHONY: demo test test-fast lint bench bench-all setup clean
 
 setup: $(STAMP)
 
@@ -31,8 +31,16 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
+# Measuring instruments, not tests (docs/performance.md). `bench`: rlvr vs TRL step time, peak RSS and
+# MFU (full and LoRA, ~15 min), then generation vs HF generate (~3 min). `bench-all` adds the G x length
+# scaling sweep (~20 min) and learning per wall-clock against TRL (~30 min).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/vs_trl.py
+	$(BIN)/python benchmarks/generation.py
+
+bench-all: bench
+	$(BIN)/python benchmarks/scaling.py
+	$(BIN)/python benchmarks/vs_trl.py --learning
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -296,3 +296,79 @@ def test_lora_generator_samples_the_same_merged_or_not(lora_policy: Any) -> None
         torch.testing.assert_close(
             torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0.0, atol=1e-5
         )
+
+
+# ------------------------------------------------------------------- fused head: hidden -> logp
+def test_fused_linear_logprobs_and_gradients_by_hand() -> None:
+    from rlvr.train.fused_logprobs import LinearTokenLogprobs, fused_logprobs_chunk_rows
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 5, generator=gen, dtype=torch.float64).float().requires_grad_()
+    weight = torch.randn(11, 5, generator=gen).requires_grad_()
+    targets = torch.randint(0, 11, (7,), generator=gen)
+    g_logp, g_ent = torch.randn(7, generator=gen), torch.randn(7, generator=gen)
+    for temperature in (1.0, 0.7):
+        with fused_logprobs_chunk_rows(3):  # several chunks, the last one short
+            logp, ent = LinearTokenLogprobs.apply(hidden, weight, targets, temperature)
+            grads = torch.autograd.grad((logp * g_logp + ent * g_ent).sum(), (hidden, weight))
+        dist = torch.log_softmax(hidden @ weight.t() / temperature, dim=-1)
+        hand_logp = dist.gather(1, targets[:, None]).squeeze(1)
+        hand_ent = -(dist.exp() * dist).sum(-1)
+        hand = torch.autograd.grad((hand_logp * g_logp + hand_ent * g_ent).sum(), (hidden, weight))
+        torch.testing.assert_close(logp, hand_logp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent, hand_ent, rtol=1e-5, atol=1e-5)
+        for got, want in zip(grads, hand, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("share_prefix", [True, False])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_fused_path_equals_the_logits_path_in_values_and_gradients(
+    tiny_model_dir: Path, share_prefix: bool, entropy_grad: bool
+) -> None:
+    policy = load_policy(str(tiny_model_dir))
+    model = policy.model
+    model.train()
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(4, 100, (n,), generator=gen).tolist() for n in (5, 8)]
+    rows = [
+        _trajectory(prompts[i % 2], torch.randint(4, 100, (n,), generator=gen).tolist())
+        for i, n in enumerate((3, 6, 1, 4))
+    ]
+    batch = collate(rows, [[0.0] * (len(r.token_ids) - r.prompt_length) for r in rows], 0)
+    weights = torch.randn(batch.completion_ids_B_C.shape, generator=gen) * batch.completion_mask_B_C
+    results = {}
+    for fused in (True, False):
+        model.zero_grad(set_to_none=True)
+        logp, entropy, _ = token_distributions(
+            model,
+            batch,
+            0.8,
+            with_entropy=True,
+            entropy_grad=entropy_grad,
+            share_prefix=share_prefix,
+            with_full=False,
+            fused=fused,
+        )
+        assert entropy is not None and entropy.requires_grad == entropy_grad
+        loss = (logp * weights).sum() + (0.1 * (entropy * weights).sum() if entropy_grad else 0)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[fused] = (logp.detach(), entropy.detach(), grads)
+    valid = batch.completion_mask_B_C.bool()
+    (lp_f, ent_f, g_f), (lp_p, ent_p, g_p) = results[True], results[False]
+    torch.testing.assert_close(lp_f[valid], lp_p[valid], rtol=0.0, atol=1e-5)
+    torch.testing.assert_close(ent_f[valid], ent_p[valid], rtol=0.0, atol=1e-5)
+    assert g_f.keys() == g_p.keys()
+    for name, grad in g_p.items():
+        rel = (g_f[name] - grad).norm() / grad.norm().clamp(min=1e-12)
+        assert rel < 1e-4, f"{name}: relative gradient difference {rel:.2e}"
+
+
+def test_fused_head_is_refused_where_logits_are_not_a_plain_matmul(tiny_model_dir: Path) -> None:
+    from rlvr.train.fused_logprobs import fusable_head
+
+    model = load_policy(str(tiny_model_dir)).model
+    assert fusable_head(model) is model.get_output_embeddings().weight
+    model.config.final_logit_softcapping = 30.0
+    assert fusable_head(model) is None

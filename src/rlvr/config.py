@@ -265,6 +265,11 @@ class TrainConfig(_Section):
         True,
         description="Run each prompt once per micro-batch and reuse its KV cache for its samples.",
     )
+    fused_logprobs: bool = Field(
+        True,
+        description="fp32: token log-probs and entropies from hidden states a chunk at a time, never "
+        "holding the (rows x length x vocab) logits (rlvr.train.fused_logprobs).",
+    )
     seed: int = 0
     time_limit_minutes: float | None = Field(
         None,

@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from rlvr.records import Trajectory
+from rlvr.train.fused_logprobs import fusable_head, token_logprobs_from_hidden
 
 
 @dataclass(frozen=True)
@@ -109,12 +110,14 @@ def token_logprobs(
     entropy_grad: bool = False,
     bf16: bool = False,
     share_prefix: bool = True,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of the completion tokens under `model`, and optionally entropies (B, C).
 
     Logits are divided by the sampling temperature (as the generator did) and the softmax is taken in
     fp32 whatever the matmul dtype. The entropy is detached (a metric) unless `entropy_grad` asks for
-    its gradient (an entropy bonus).
+    its gradient (an entropy bonus). `fused` (fp32 only) goes from hidden states to per-token values
+    a chunk at a time without the (B, C, V) logits (rlvr.train.fused_logprobs).
     """
     logprobs_B_C, entropy_B_C, _ = token_distributions(
         model,
@@ -124,6 +127,8 @@ def token_logprobs(
         entropy_grad=entropy_grad,
         bf16=bf16,
         share_prefix=share_prefix,
+        with_full=False,
+        fused=fused,
     )
     return logprobs_B_C, entropy_B_C
 
@@ -138,38 +143,52 @@ def token_distributions(
     bf16: bool = False,
     share_prefix: bool = True,
     with_full: bool = True,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`token_logprobs` plus, when `with_full`, the whole next-token log-distribution (B, C, V) at each
-    completion position (distillation compares it with a teacher's)."""
+    completion position (distillation compares it with a teacher's; that needs the plain path)."""
     # Gradient checkpointing makes HF drop the KV cache in training mode, so the shared prefix cannot
     # be carried to the completions: take the plain path then.
     checkpointing = model.training and _activation_checkpointing(model)
+    shared = share_prefix and not checkpointing
+    head_V_H = fusable_head(model) if fused and not with_full and not bf16 else None
     with autocast_context(bf16):
-        if share_prefix and not checkpointing:
-            pieces = _shared_prefix_logits(model, batch)
+        if shared:
+            pieces = _shared_prefix_outputs(model, batch, hidden=head_V_H is not None)
         else:
-            pieces = [_plain_logits(model, batch)]
-    # The logits are the largest tensors of the step (B x C x 49k floats for SmolLM2): each piece is
-    # turned into per-token values at once and never concatenated; the temperature divides in place
-    # (the lm_head's backward does not need its output).
+            pieces = [_plain_outputs(model, batch, hidden=head_V_H is not None)]
     targets_B_C = batch.completion_ids_B_C
     logprobs, entropies, fulls = [], [], []
     start = 0
-    for logits_B_c_V in pieces:
-        width = logits_B_c_V.shape[1]
-        logits_B_c_V = logits_B_c_V.float()
+    while pieces:
+        piece = pieces.pop(0)  # dropped from the list, so it can be freed as soon as it is used
+        width = piece.shape[1]
+        target_B_c = targets_B_C[:, start : start + width]
+        start += width
+        if head_V_H is not None:
+            logp_B_c, entropy_B_c = token_logprobs_from_hidden(
+                piece, head_V_H, target_B_c, temperature
+            )
+            logprobs.append(logp_B_c)
+            if with_entropy:
+                grad = entropy_grad and torch.is_grad_enabled()
+                entropies.append(entropy_B_c if grad else entropy_B_c.detach())
+            continue
+        # The logits are the largest tensors of the step (B x C x 49k floats for SmolLM2): each piece
+        # is turned into per-token values at once and never concatenated; the temperature divides in
+        # place (the lm_head's backward does not need its output).
+        logits_B_c_V = piece.float()
+        del piece
         if temperature != 1.0:
             logits_B_c_V = logits_B_c_V.div_(temperature)
         logprobs_B_c_V = torch.log_softmax(logits_B_c_V, dim=-1)
         del logits_B_c_V
-        target_B_c = targets_B_C[:, start : start + width]
         logprobs.append(logprobs_B_c_V.gather(2, target_B_c[:, :, None]).squeeze(2))
         if with_entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropies.append(_entropy(logprobs_B_c_V))
         if with_full:
             fulls.append(logprobs_B_c_V)
-        start += width
     logprobs_B_C = torch.cat(logprobs, dim=1)
     entropy_B_C = torch.cat(entropies, dim=1) if with_entropy else None
     full_B_C_V = None
@@ -192,36 +211,52 @@ def _entropy(logprobs_B_c_V: torch.Tensor, rows_per_chunk: int = 4) -> torch.Ten
     )
 
 
-def _plain_logits(model: Any, batch: TrainBatch) -> torch.Tensor:
-    """Each row runs its own prompt + completion: the reference path. Returns (B, C, V) logits."""
+def _run(model: Any, hidden: bool, keep: int, **inputs: Any) -> torch.Tensor:
+    """The model's last `keep` positions: logits (.., V), or with `hidden` the decoder's final hidden
+    states (.., H) for the fused head (the lm_head is then not run here)."""
+    if hidden:
+        states = model.get_decoder()(**inputs).last_hidden_state
+        return states[:, states.shape[1] - keep :, :]
+    logits: torch.Tensor = model(**inputs, logits_to_keep=keep).logits
+    return logits
+
+
+def _plain_outputs(model: Any, batch: TrainBatch, hidden: bool) -> torch.Tensor:
+    """Each row runs its own prompt + completion: the reference path. Returns (B, C, V) logits, or
+    (B, C, H) hidden states, at the positions that predict the C completion tokens."""
     prompt_ids = batch.prompt_ids_P_Lp.index_select(0, batch.row_prompt_B)
     prompt_mask = batch.prompt_mask_P_Lp.index_select(0, batch.row_prompt_B)
     input_ids = torch.cat([prompt_ids, batch.completion_ids_B_C], dim=1)
     attention = torch.cat([prompt_mask, batch.completion_mask_B_C], dim=1)
     positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-    out = model(
+    out = _run(
+        model,
+        hidden,
+        batch.completion_width + 1,
         input_ids=input_ids,
         attention_mask=attention,
         position_ids=positions,
         use_cache=False,
-        logits_to_keep=batch.completion_width + 1,
     )
-    # Position j predicts token j+1: the last C+1 logits minus the final one score the C completion tokens.
-    return out.logits[:, :-1, :]
+    # Position j predicts token j+1: the last C+1 positions minus the final one score the C tokens.
+    return out[:, :-1, :]
 
 
-def _shared_prefix_logits(model: Any, batch: TrainBatch) -> list[torch.Tensor]:
-    """Prompts once, their KV cache gathered per row, completions on top. Returns the logits scoring
-    the C completion tokens in two pieces, [(B, 1, V) from the prompt's last position, (B, C-1, V)]."""
+def _shared_prefix_outputs(model: Any, batch: TrainBatch, hidden: bool) -> list[torch.Tensor]:
+    """Prompts once, their KV cache gathered per row, completions on top. Returns what scores the C
+    completion tokens (logits, or hidden states) in two pieces: [(B, 1, .) from the prompt's last
+    position, (B, C-1, .)]."""
     cache = DynamicCache()
     prompt_positions = (batch.prompt_mask_P_Lp.cumsum(dim=1) - 1).clamp(min=0)
-    out_p = model(
+    out_p = _run(
+        model,
+        hidden,
+        1,
         input_ids=batch.prompt_ids_P_Lp,
         attention_mask=batch.prompt_mask_P_Lp,
         position_ids=prompt_positions,
         cache=cache,
         use_cache=True,
-        logits_to_keep=1,
     )
     if cache.get_seq_length() != batch.prompt_ids_P_Lp.shape[1]:
         # A model that ignored the cache would silently score completions without their prompt.
@@ -230,23 +265,25 @@ def _shared_prefix_logits(model: Any, batch: TrainBatch) -> list[torch.Tensor]:
         )
     # The gather is an index op, so gradients of every row flow back into the shared prompt pass.
     cache.batch_select_indices(batch.row_prompt_B)
-    first_logits_B_1_V = out_p.logits[:, -1:, :].index_select(0, batch.row_prompt_B)
+    first_B_1 = out_p.index_select(0, batch.row_prompt_B)
     if batch.completion_width == 1:
-        return [first_logits_B_1_V]
+        return [first_B_1]
     prompt_mask_B_Lp = batch.prompt_mask_P_Lp.index_select(0, batch.row_prompt_B)
     # The last completion token predicts nothing that is scored: it is not fed.
     width = batch.completion_width - 1
     attention = torch.cat([prompt_mask_B_Lp, batch.completion_mask_B_C[:, :width]], dim=1)
     positions = prompt_mask_B_Lp.sum(dim=1, keepdim=True) + torch.arange(width)[None, :]
-    out_c = model(
+    out_c = _run(
+        model,
+        hidden,
+        width,
         input_ids=batch.completion_ids_B_C[:, :width],
         attention_mask=attention,
         position_ids=positions,
         cache=cache,
         use_cache=True,
-        logits_to_keep=width,
     )
-    return [first_logits_B_1_V, out_c.logits]
+    return [first_B_1, out_c]
 
 
 def _activation_checkpointing(model: Any) -> bool:

@@ -127,8 +127,10 @@ def policy_update(
     temperature = cfg.sampling.temperature
     share = cfg.train.share_prompt_prefix
 
+    fused = cfg.train.fused_logprobs
+
     def logprobs_of(m: Any, b: TrainBatch) -> torch.Tensor:
-        return token_logprobs(m, b, temperature, bf16=bf16, share_prefix=share)[0]
+        return token_logprobs(m, b, temperature, bf16=bf16, share_prefix=share, fused=fused)[0]
 
     model.eval()  # pi_old and pi_ref are scored without dropout; the gradient pass below trains
     with torch.no_grad():
@@ -163,6 +165,7 @@ def policy_update(
                 bf16=bf16,
                 share_prefix=share,
                 with_full=teacher is not None,
+                fused=fused,
             )
             assert entropy_B_C is not None
             old_B_C = logp_B_C.detach() if old_logprobs is None else old_logprobs[i]
@@ -298,6 +301,7 @@ def reference_logprobs(
                 cfg.sampling.temperature,
                 bf16=bf16,
                 share_prefix=cfg.train.share_prompt_prefix,
+                fused=cfg.train.fused_logprobs,
             )[0],
             trajectories,
             cfg,
