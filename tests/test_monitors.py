@@ -22,7 +22,7 @@ from rlvr.config import (
 )
 from rlvr.errors import ConfigError
 from rlvr.observe import monitors as mon
-from rlvr.observe.metrics import duplicate_fraction
+from rlvr.observe.metrics import WALL_CLOCK_METRICS, duplicate_fraction
 from rlvr.observe.monitors import Monitors, apply_changes, mitigation
 from rlvr.observe.tracking import read_metrics
 from rlvr.records import Group, Task, Trajectory
@@ -468,14 +468,7 @@ def test_action_mitigate_raises_beta_with_a_new_reference_and_resumes_exactly(
     train(cfg, resume=True, config_dir=tiny_config_dir)
     resumed = [r for r in read_metrics(split) if r["step"] == 11]
     original = [r for r in read_metrics(full.run_dir) if r["step"] == 11]
-    timing = {
-        "time",
-        "step_time",
-        "rollout_time",
-        "update_time",
-        "tokens_per_second",
-        "perf/update_gflops_per_s",
-    }
+    timing = WALL_CLOCK_METRICS
 
     def strip(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{k: v for k, v in r.items() if k not in timing} for r in rows]

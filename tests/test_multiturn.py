@@ -685,7 +685,9 @@ def test_observation_tokens_get_zero_gradient(tiny_model: Any, episode: Trajecto
 
     handle = tiny_model.get_output_embeddings().register_forward_hook(keep_logits)
     try:
-        logp, _ = token_logprobs(tiny_model, batch, share_prefix=False)
+        # The logits path, whose lm_head output the hook can see (the fused head never builds the
+        # logits; tests/test_fastpath.py holds it equal to this path, gradients included).
+        logp, _ = token_logprobs(tiny_model, batch, share_prefix=False, fused=False)
     finally:
         handle.remove()
     logp.retain_grad()

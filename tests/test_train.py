@@ -9,18 +9,12 @@ import pytest
 import torch
 
 from rlvr.config import RunConfig, load_config
+from rlvr.observe.metrics import WALL_CLOCK_METRICS
 from rlvr.observe.tracking import read_metrics
 from rlvr.train.loop import train
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-TIMING_KEYS = {
-    "time",
-    "step_time",
-    "rollout_time",
-    "update_time",
-    "tokens_per_second",
-    "perf/update_gflops_per_s",
-}
+TIMING_KEYS = WALL_CLOCK_METRICS
 
 
 def tiny_cfg(config_dir: Path, model_dir: Path, out: Path, *overrides: str) -> RunConfig:

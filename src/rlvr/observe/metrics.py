@@ -12,6 +12,19 @@ import torch
 from rlvr.algorithms.advantages import group_reward_std
 from rlvr.records import Group, Trajectory, flatten
 
+# Metrics that measure the machine rather than the run: they differ between two runs that are otherwise
+# identical to the bit (a resumed run and the uninterrupted one, say).
+WALL_CLOCK_METRICS = frozenset(
+    {
+        "time",
+        "step_time",
+        "rollout_time",
+        "update_time",
+        "tokens_per_second",
+        "perf/update_gflops_per_s",
+    }
+)
+
 
 def rollout_metrics(
     groups: Sequence[Group], rubric_names: Sequence[str], group_size: int
