@@ -372,3 +372,14 @@ def test_fused_head_is_refused_where_logits_are_not_a_plain_matmul(tiny_model_di
     assert fusable_head(model) is model.get_output_embeddings().weight
     model.config.final_logit_softcapping = 30.0
     assert fusable_head(model) is None
+
+
+def test_fused_logprobs_auto_means_lora_only() -> None:
+    from rlvr.config import load_config
+    from rlvr.train.update import use_fused_logprobs
+
+    assert not use_fused_logprobs(load_config(None, []))
+    assert use_fused_logprobs(load_config(None, ["model.lora.enabled=true"]))
+    assert use_fused_logprobs(load_config(None, ["train.fused_logprobs=true"]))
+    off = ["model.lora.enabled=true", "train.fused_logprobs=false"]
+    assert not use_fused_logprobs(load_config(None, off))

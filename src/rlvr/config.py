@@ -265,10 +265,12 @@ class TrainConfig(_Section):
         True,
         description="Run each prompt once per micro-batch and reuse its KV cache for its samples.",
     )
-    fused_logprobs: bool = Field(
-        True,
+    fused_logprobs: bool | Literal["auto"] = Field(
+        "auto",
         description="fp32: token log-probs and entropies from hidden states a chunk at a time, never "
-        "holding the (rows x length x vocab) logits (rlvr.train.fused_logprobs).",
+        "holding the (rows x length x vocab) logits (rlvr.train.fused_logprobs). auto = with LoRA "
+        "only: there the logits set the peak memory; in full fine-tuning the weight gradients do, "
+        "and the recomputed lm_head costs ~5-10% of the update (measured, docs/performance.md).",
     )
     seed: int = 0
     time_limit_minutes: float | None = Field(

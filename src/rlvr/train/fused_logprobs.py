@@ -86,20 +86,21 @@ class LinearTokenLogprobs(torch.autograd.Function):
             z_r_V = _tempered_logits(h_r_H, weight_V_H, temperature)
             logprobs_r_V = z_r_V.sub_(lse_N[s:e, None])  # z no longer needed: log p in place
             p_r_V = logprobs_r_V.exp()
-            grad_z_r_V = torch.zeros_like(p_r_V)
             if grad_entropy_N is not None:
                 # dH/dz = -p (log p + H)
                 grad_z_r_V = logprobs_r_V.add_(entropy_N[s:e, None]).mul_(p_r_V)
                 grad_z_r_V.mul_(-grad_entropy_N[s:e, None])
+            else:
+                grad_z_r_V = logprobs_r_V.zero_()  # reuse the chunk's buffer
             if grad_logp_N is not None:
                 g_r = grad_logp_N[s:e]
                 grad_z_r_V.sub_(p_r_V.mul_(g_r[:, None]))
                 grad_z_r_V.scatter_add_(1, targets_N[s:e, None], g_r[:, None])
             grad_z_r_V.div_(temperature)
             if grad_hidden is not None:
-                grad_hidden[s:e] = (grad_z_r_V @ weight_V_H.float()).to(grad_hidden.dtype)
+                torch.mm(grad_z_r_V, weight_V_H, out=grad_hidden[s:e])
             if grad_weight is not None:
-                grad_weight += (grad_z_r_V.t() @ h_r_H.float()).to(grad_weight.dtype)
+                grad_weight.addmm_(grad_z_r_V.t(), h_r_H)  # in place: no (V, H) temporary
         return grad_hidden, grad_weight, None, None
 
 
@@ -111,12 +112,14 @@ def _tempered_logits(
 
 
 def fusable_head(model: Any) -> torch.Tensor | None:
-    """The lm_head weight when the model's logits are exactly `hidden @ W^T` (a bias-free nn.Linear
-    head, no logit scaling or soft-capping, a decoder reachable by `get_decoder()`); else None and
-    the caller takes the plain path."""
+    """The lm_head weight when the model's logits are exactly `hidden @ W^T` (a bias-free fp32
+    nn.Linear head, no logit scaling or soft-capping, a decoder reachable by `get_decoder()`); else
+    None and the caller takes the plain path."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or head.bias is not None:
         return None  # e.g. a peft LoRA layer on the lm_head
+    if head.weight.dtype != torch.float32:
+        return None  # the chunked math here is fp32 end to end
     config = getattr(model, "config", None)
     for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier"):
         if getattr(config, attr, None) not in (None, 1, 1.0):

@@ -68,6 +68,12 @@ def per_token_scores(
     return out
 
 
+def use_fused_logprobs(cfg: RunConfig) -> bool:
+    """`train.fused_logprobs`, with auto = LoRA runs only (see its description in config.py)."""
+    setting = cfg.train.fused_logprobs
+    return cfg.model.lora.enabled if setting == "auto" else bool(setting)
+
+
 def trains_on(trajectory: Trajectory, cfg: RunConfig) -> bool:
     """Whether a trajectory enters the loss: it scored, and (DAPO overlong filtering) was not cut off."""
     if not trajectory.usable:
@@ -127,7 +133,7 @@ def policy_update(
     temperature = cfg.sampling.temperature
     share = cfg.train.share_prompt_prefix
 
-    fused = cfg.train.fused_logprobs
+    fused = use_fused_logprobs(cfg)
 
     def logprobs_of(m: Any, b: TrainBatch) -> torch.Tensor:
         return token_logprobs(m, b, temperature, bf16=bf16, share_prefix=share, fused=fused)[0]
@@ -301,7 +307,7 @@ def reference_logprobs(
                 cfg.sampling.temperature,
                 bf16=bf16,
                 share_prefix=cfg.train.share_prompt_prefix,
-                fused=cfg.train.fused_logprobs,
+                fused=use_fused_logprobs(cfg),
             )[0],
             trajectories,
             cfg,
