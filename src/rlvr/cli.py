@@ -1,4 +1,4 @@
-"""`rlvr train | eval`: user errors print one line (`error: ...`) and exit 2, never a traceback."""
+"""`rlvr train | eval | serve | ...`: user errors print one line (`error: ...`) and exit 2, never a traceback."""
 
 from __future__ import annotations
 
@@ -359,6 +359,41 @@ def reward_model_command(
 ) -> None:
     """Train a Bradley-Terry reward model on chosen/rejected pairs."""
     _offline_stage("reward-model", config, list(set_ or []))
+
+
+@app.command("serve")
+def serve_command(
+    model: Annotated[
+        str, typer.Argument(help="Model dir, hub id, alias, or a RUN_DIR (its last checkpoint).")
+    ],
+    host: Annotated[str, typer.Option("--host", help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8000,
+    model_name: Annotated[
+        str | None,
+        typer.Option("--model-name", help="The id clients pass as `model` (default: MODEL)."),
+    ] = None,
+    record_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--record-dir", help="Also write each recorded rollout to DIR/<rollout id>.json."
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Sampler seed.")] = 0,
+) -> None:
+    """Serve MODEL behind an OpenAI-compatible API (/v1/chat/completions with tools and log-probs,
+    /v1/completions on token ids); exchanges under a rollout id are recorded token-exactly."""
+    _quiet_libraries()
+    import uvicorn
+
+    from rlvr.evaluate_cli import load_model
+    from rlvr.serve.app import create_app
+    from rlvr.serve.runner import serve_state
+
+    policy, _ = load_model(model)
+    state = serve_state(policy, model_name or model, seed=seed)
+    app_ = create_app(state, record_dir=record_dir)
+    print(f"rlvr serve: {model} as '{state.model_name}' on http://{host}:{port}/v1", flush=True)
+    uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 
 def main() -> None:

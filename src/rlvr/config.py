@@ -122,6 +122,96 @@ class RolloutConfig(_Section):
         ge=1,
         description="Threads stepping envs in parallel (code runs, tools); 1 = the main thread.",
     )
+    mode: Literal["internal", "external"] = Field(
+        "internal",
+        description="internal: rlvr plays the episodes (tasks, envs). external: the user's own agent "
+        "(external.agent) talks to the policy through an OpenAI-compatible endpoint and rlvr trains "
+        "on the recorded token-exact trajectories (OpenPipe ART's model). `rollout: external` is "
+        "shorthand for `rollout: {mode: external}`.",
+    )
+    async_rollouts: bool = Field(
+        False,
+        description="Generate the next batch (on a copy of the policy) while the update runs: "
+        "one-step off-policy, importance-weighted (objective.tis_cap, 2.0 unless set).",
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="Async rollouts: drop (and regenerate) a batch sampled by weights more than this "
+        "many updates old. 0 makes async rollouts wait for the latest weights (no overlap).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        return {"mode": data} if isinstance(data, str) else data
+
+
+class GeneratorConfig(_Section):
+    """Where rollouts are sampled. `hf`: transformers in this process. `server`: an OpenAI-compatible
+    server returning token ids and log-probs (vLLM's `vllm serve`, or `rlvr serve` speaking the same
+    protocol), weights pushed to it after every update; truncated importance sampling is on (the
+    server's numerics differ from the trainer's)."""
+
+    backend: Literal["hf", "server"] = "hf"
+    url: str | None = Field(
+        None, description="Base URL of a running server, e.g. http://127.0.0.1:8000/v1."
+    )
+    launch: Literal["vllm", "rlvr"] | None = Field(
+        None, description="Start the server as a subprocess: `vllm serve` or `rlvr serve`."
+    )
+    launch_args: list[str] = Field(
+        default_factory=list, description="Extra command-line arguments for the launched server."
+    )
+    weight_sync: Literal["auto", "lora", "full", "none"] = Field(
+        "auto",
+        description="After each update: lora = save the adapter and (re)load it by name; full = save "
+        "the weights and have the server reload them; auto = lora for LoRA runs, else full; none = "
+        "never (the server keeps its weights: evaluation only).",
+    )
+    sync_dir: str | None = Field(
+        None,
+        description="Where synced weights are written (a path the server can read); "
+        "default RUN_DIR/weight_sync.",
+    )
+    request_timeout_s: float = Field(600.0, gt=0.0)
+    max_concurrency: int = Field(32, ge=1, description="Requests in flight at once.")
+    startup_timeout_s: float = Field(600.0, gt=0.0, description="Wait for a launched server.")
+
+
+class DistributedConfig(_Section):
+    """Beyond one process: Ray rollout workers, and the update's strategy under torchrun."""
+
+    ray: bool = Field(
+        False, description="Play episodes on Ray actors (each with a copy of the policy)."
+    )
+    rollout_workers: int = Field(2, ge=1, description="Ray actors playing episodes.")
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster to join ('auto', 'ray://host:10001'); None = start a local one.",
+    )
+    worker_cpus: float = Field(1.0, gt=0.0, description="CPUs Ray reserves per rollout worker.")
+    worker_gpus: float = Field(0.0, ge=0.0, description="GPUs Ray reserves per rollout worker.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="Under `torchrun --nproc_per_node N`: ddp = every rank holds the weights and "
+        "gradients are averaged; fsdp = weights, gradients and optimizer state sharded (FSDP2).",
+    )
+
+
+class ExternalConfig(_Section):
+    """`rollout: external`: the agent is the user's code, speaking the OpenAI API to `rlvr serve`."""
+
+    agent: str | None = Field(
+        None,
+        description="'file.py:function' or 'module:function' called as fn(base_url=, model=, "
+        "task=, rollout_id=) for each of G rollouts of each task; returns None, a reward (float) or "
+        "a dict of named reward parts, logged and added to the rubric's.",
+    )
+    concurrency: int = Field(16, ge=1, description="Agent calls running at once (threads).")
+    timeout_s: float = Field(600.0, gt=0.0, description="Wall-clock limit for one agent call.")
+    host: str = Field("127.0.0.1", description="Where the in-run server listens.")
+    port: int = Field(0, ge=0, description="0 = any free port.")
 
 
 class FilterConfig(_Section):
@@ -590,6 +680,9 @@ class RunConfig(_Section):
     )
     sampling: SamplingConfig = SamplingConfig()
     rollout: RolloutConfig = RolloutConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    distributed: DistributedConfig = DistributedConfig()
+    external: ExternalConfig = ExternalConfig()
     filter: FilterConfig = FilterConfig()
     objective: ObjectiveConfig = ObjectiveConfig()
     critic: CriticConfig = CriticConfig()
@@ -619,6 +712,21 @@ class RunConfig(_Section):
                 data = _merge_under(defaults, data)
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _tis_on_when_off_engine(cls, data: Any) -> Any:
+        """Truncated importance sampling (cap 2.0, Yao et al. 2025) unless the user set tis_cap: on
+        when another engine (a server) or older weights (async rollouts) sample the tokens."""
+        if not isinstance(data, dict):
+            return data
+        gen, rollout = data.get("generator") or {}, data.get("rollout") or {}
+        objective = data.get("objective") or {}
+        off_engine = isinstance(gen, dict) and gen.get("backend") == "server"
+        stale = isinstance(rollout, dict) and bool(rollout.get("async_rollouts"))
+        if (off_engine or stale) and isinstance(objective, dict) and "tis_cap" not in objective:
+            data = {**data, "objective": {**objective, "tis_cap": 2.0}}
+        return data
+
     @model_validator(mode="after")
     def _check_sources(self) -> RunConfig:
         components = self.components()
@@ -627,7 +735,8 @@ class RunConfig(_Section):
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
                 raise ValueError(f"reward names must be unique; repeated: {', '.join(dupes)}")
-            if not c.rewards and c.task.source != "env":
+            # An external agent may score its own rollouts (its returned reward parts).
+            if not c.rewards and c.task.source != "env" and self.rollout.mode != "external":
                 raise ValueError(
                     f"{'mixture ' + c.name + ': ' if self.mixture else ''}rewards is empty; "
                     "a task without an env needs at least one reward function"
@@ -647,6 +756,18 @@ class RunConfig(_Section):
         if self.algorithm == "distill" and self.distill.teacher is None:
             raise ValueError(
                 "algorithm 'distill' needs distill.teacher (a model alias or directory)"
+            )
+        if self.rollout.mode == "external" and self.external.agent is None:
+            raise ValueError("rollout: external needs external.agent ('file.py:function')")
+        gen = self.generator
+        if gen.backend == "server" and (gen.url is None) == (gen.launch is None):
+            raise ValueError(
+                "generator.backend: server needs exactly one of generator.url, generator.launch"
+            )
+        if self.distributed.ray and (self.rollout.mode == "external" or gen.backend == "server"):
+            raise ValueError(
+                "distributed.ray plays episodes with in-process generators: use it with "
+                "rollout.mode internal and generator.backend hf"
             )
         if self.mixture:
             if {"task", "rewards"} & self.model_fields_set:

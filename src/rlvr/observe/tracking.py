@@ -88,3 +88,19 @@ class Tracker:
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class NullTracker(Tracker):
+    """What a non-zero torchrun rank logs to: nothing (rank 0 writes the run's files)."""
+
+    def __init__(self, run_dir: Path, **_: Any) -> None:
+        self.run_dir = run_dir
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.rollouts_path = run_dir / "rollouts.jsonl"
+        self._trackio = None
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        pass
+
+    def log_rollouts(self, rows: list[dict[str, Any]], step: int) -> None:
+        pass

@@ -43,9 +43,9 @@ import yaml
 from rich.markup import escape
 
 from rlvr.algorithms import ALGORITHMS
-from rlvr.build import build_generator, build_optimizer, build_policy, rollout_limits
+from rlvr.build import build_optimizer, build_policy, rollout_limits
 from rlvr.config import RewardSpec, RunConfig, TaskConfig, config_to_dict, load_config
-from rlvr.errors import RewardError
+from rlvr.errors import ConfigError, RewardError
 from rlvr.evaluate import evaluate_sources
 from rlvr.models import Policy, load_policy
 from rlvr.observe.inspect import trajectory_rows, write_step_trajectories
@@ -58,9 +58,8 @@ from rlvr.observe.metrics import (
 )
 from rlvr.observe.monitors import Alert, Monitors, apply_changes, mitigation
 from rlvr.observe.progress import Progress
-from rlvr.observe.tracking import Tracker, read_metrics
-from rlvr.records import Group, Task, Trajectory, flatten
-from rlvr.rollout.engine import rollout_groups
+from rlvr.observe.tracking import NullTracker, Tracker, read_metrics
+from rlvr.records import Trajectory, flatten
 from rlvr.rollout.generator import SamplingParams
 from rlvr.tasks import TaskSplits
 from rlvr.train.checkpoint import (
@@ -70,6 +69,7 @@ from rlvr.train.checkpoint import (
     save_checkpoint,
 )
 from rlvr.train.companions import RunCritic, build_teacher
+from rlvr.train.rollouts import RolloutPlan, torch_dist_context
 from rlvr.train.selection import assign_credit, collect_groups
 from rlvr.train.sources import Sources
 from rlvr.train.update import policy_update, reference_logprobs
@@ -118,15 +118,13 @@ def train(
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     seed_everything(cfg.train.seed)
 
+    # Under torchrun: this process is one rank; rank 0 alone writes metrics and checkpoints.
+    dist = torch_dist_context(cfg)
+    if dist is not None and resume and dist.strategy == "fsdp":
+        raise ConfigError("--resume under distributed.strategy fsdp is not supported yet; use ddp")
     sources = Sources(cfg, config_dir, tasks)
     policy = build_policy(cfg)
     tokenizer = policy.tokenizer
-    generator = build_generator(policy, cfg)
-    optimizer, scheduler = build_optimizer(policy, cfg)
-    spec = ALGORITHMS[cfg.algorithm]
-    # ppo's value model and distill's teacher: built only for the algorithms that use them.
-    critic = RunCritic(cfg, int(tokenizer.pad_token_id)) if spec.needs_critic else None
-    teacher = build_teacher(cfg, policy) if spec.needs_teacher else None
     group_size = cfg.sampling.group_size
     sampling = SamplingParams(
         n=group_size,
@@ -136,6 +134,21 @@ def train(
         stop=tuple(cfg.sampling.stop),
     )
     limits = rollout_limits(cfg)
+    # Where episodes are played (in process, a server, the user's agent, Ray, a background thread)
+    plan = RolloutPlan(
+        cfg, policy, sources, sampling, limits,
+        config_dir=config_dir, tasks=tasks, dist=dist, run_dir=run_dir,
+    )  # fmt: skip
+    generator = plan.generator
+    if dist is not None:
+        dist.prepare_policy(policy)  # ddp: identical start on every rank; fsdp: shard
+    optimizer, scheduler = build_optimizer(policy, cfg)
+    is_main = dist is None or dist.is_main
+    dist_kw: dict[str, Any] = {} if dist is None else {"dist": dist}  # TEMP until update.py has it
+    spec = ALGORITHMS[cfg.algorithm]
+    # ppo's value model and distill's teacher: built only for the algorithms that use them.
+    critic = RunCritic(cfg, int(tokenizer.pad_token_id)) if spec.needs_critic else None
+    teacher = build_teacher(cfg, policy) if spec.needs_teacher else None
     metrics_of = {s.metric for s in sources}
     monitors = Monitors(
         cfg.monitors,
@@ -143,23 +156,17 @@ def train(
         optimised=[name for name, w in sources.reward_weights.items() if w != 0],
     )
 
-    def rollout(batch_tasks: list[Task]) -> list[Group]:
-        return rollout_groups(
-            batch_tasks, sources.make_env, generator, tokenizer, sampling, sources.scoring, limits
-        )
-
-    def sample_round() -> list[Group]:
-        return rollout(sources.next_batch(cfg.sampling.prompts_per_step))
-
     def run_eval() -> dict[str, float]:
-        return evaluate_sources(
-            sources,
-            generator,
-            tokenizer,
-            n=cfg.eval.n,
-            max_new_tokens=cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
-            stop=tuple(cfg.sampling.stop),
-            limits=limits,
+        return plan.evaluate(
+            lambda: evaluate_sources(
+                sources,
+                generator,
+                tokenizer,
+                n=cfg.eval.n,
+                max_new_tokens=cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
+                stop=tuple(cfg.sampling.stop),
+                limits=limits,
+            )
         )
 
     start_step = 0
@@ -175,8 +182,9 @@ def train(
         monitors.load_state_dict(state.get("monitors", {}))
         cfg = apply_changes(cfg, monitors.changes)  # mitigations made before the checkpoint
         ensure_reference(policy, cfg)
+        plan.after_resume()
 
-    tracker = Tracker(
+    tracker = (Tracker if is_main else NullTracker)(
         run_dir,
         use_trackio=cfg.tracking.trackio,
         project=cfg.tracking.project,
@@ -185,15 +193,21 @@ def train(
         resume_step=start_step if resume else None,
     )
     summary = RunSummary(run_dir=run_dir, steps_done=start_step)
-    progress = Progress(total=cfg.train.steps, start=start_step, enabled=cfg.tracking.progress)
+    progress = Progress(
+        total=cfg.train.steps, start=start_step, enabled=cfg.tracking.progress and is_main
+    )
     if resume and tracker.metrics_path.exists():
         monitors.replay(read_metrics(run_dir))  # the history up to the checkpoint
 
     def save(step: int) -> None:
+        if dist is not None:
+            plan.before_save()  # fsdp: the full weights gathered into the sampling copy (collective)
+            if not dist.is_main:
+                return
         save_checkpoint(
             run_dir,
             step,
-            model=policy.model,
+            model=plan.copy_model if plan.copy_model is not None else policy.model,
             tokenizer=tokenizer,
             optimizer=optimizer,
             scheduler=scheduler,
@@ -218,7 +232,7 @@ def train(
             t0 = time.time()
             # 1. tasks -> rollouts (multi-turn when the env asks), scored; the filter keeps the
             #    groups worth learning from (StarPO-S / DAPO dynamic sampling)
-            sampled, kept, filter_metrics = collect_groups(cfg, sample_round)
+            sampled, kept, filter_metrics = collect_groups(cfg, plan.sample_round)
             trajectories = flatten(kept)
             t_rollout = time.time() - t0
             # 2. advantages over the rollouts that scored, then per-token credit; KL in the reward
@@ -235,12 +249,16 @@ def train(
                 update.update(critic.update(trajectories, credit))
             if critic is None or step > cfg.critic.warmup_steps:
                 update.update(
-                    policy_update(policy, optimizer, trajectories, token_adv, cfg, teacher=teacher)
+                    policy_update(
+                        policy, optimizer, trajectories, token_adv, cfg, teacher=teacher, **dist_kw
+                    )
                 )
+                plan.after_update(step)  # the samplers get the new weights
             metrics = {
                 **rollout_metrics(sampled, sources.reward_names, group_size),
                 **agent_metrics(flatten(sampled)),
                 **filter_metrics,
+                **plan.metrics(),
                 **update,
             }
             if sources.is_mixture:
@@ -274,6 +292,8 @@ def train(
                 ev = run_eval()
                 summary.eval_history.append((step, ev))
                 metrics.update(ev)
+            if dist is not None:  # every rank acts on rank 0's numbers, so all decide alike
+                metrics = dist.broadcast_object(metrics)
             # 5. the monitors read the history; an alert is an event row after this step's metrics,
             #    and its action applies from the next step (a mitigation is in the checkpoint)
             alerts = monitors.observe(step, metrics)
@@ -283,7 +303,8 @@ def train(
                 cfg, stop = act_on_alert(alert, cfg, monitors, policy, tracker, progress)
                 summary.stopped_early = summary.stopped_early or stop
             tracker.log_rollouts(rollout_rows(sampled), step=step)
-            if cfg.tracking.trajectories_every and step % cfg.tracking.trajectories_every == 0:
+            every = cfg.tracking.trajectories_every
+            if is_main and every and step % every == 0:
                 write_step_trajectories(
                     run_dir, step, trajectory_rows(trajectories, token_adv, tokenizer)
                 )
@@ -301,6 +322,8 @@ def train(
                 break
             limit = cfg.train.time_limit_minutes
             out_of_time = limit is not None and time.time() - first_step_started >= 60.0 * limit
+            if dist is not None:
+                out_of_time = bool(dist.broadcast_object(out_of_time))
             if out_of_time and step < cfg.train.steps:
                 summary.time_limited = True
                 if not (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
@@ -320,8 +343,11 @@ def train(
         if cfg.checkpoint.save_final and summary.steps_done == cfg.train.steps:
             save(cfg.train.steps)
     finally:
+        plan.close()
         progress.close()
         tracker.close()
+        if dist is not None:
+            dist.close()
     summary.wall_seconds = time.time() - started
     return summary
 
@@ -371,8 +397,8 @@ def ensure_reference(policy: Policy, cfg: RunConfig) -> None:
 
 def absolutize_reward_files(cfg: RunConfig, config_dir: Path | None) -> RunConfig:
     """Resolve relative paths in the config against the config's folder and make them absolute:
-    'file.py:function' rewards, 'file.py:Family' envs and dataset files, in the main task and in
-    every mixture component. The run's saved config then works from anywhere."""
+    'file.py:function' rewards and external agent, 'file.py:Family' envs and dataset files, in the
+    main task and in every mixture component. The run's saved config then works from anywhere."""
     base = config_dir or Path.cwd()
 
     def fix_spec(spec: str) -> str:
@@ -402,11 +428,15 @@ def absolutize_reward_files(cfg: RunConfig, config_dir: Path | None) -> RunConfi
         c.model_copy(update={"task": fix_task(c.task), "rewards": fix_rewards(c.rewards)})
         for c in cfg.mixture
     ]
+    external = cfg.external
+    if external.agent is not None:
+        external = external.model_copy(update={"agent": fix_spec(external.agent)})
     return cfg.model_copy(
         update={
             "task": fix_task(cfg.task),
             "rewards": fix_rewards(cfg.rewards),
             "mixture": mixture,
+            "external": external,
         }
     )
 

@@ -66,8 +66,11 @@ def _build_source(
     )
     rubric = build_rubric(component.rewards, base_dir=config_dir) if component.rewards else None
     names = list(rubric.names if rubric else []) + list(env_weights)
-    metric = cfg.eval.metric or (family.success_metric if family else names[0])
-    if metric not in names:
+    external = cfg.rollout.mode == "external"
+    # An external agent's own reward parts are known only once it returns: default "agent".
+    fallback = names[0] if names else "agent"
+    metric = cfg.eval.metric or (family.success_metric if family else fallback)
+    if metric not in names and not external:
         raise ConfigError(
             f"eval.metric '{metric}' is not a reward component of source '{component.name}' "
             f"(components: {', '.join(names)})"

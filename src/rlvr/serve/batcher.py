@@ -1,0 +1,104 @@
+"""Concurrent chat requests sampled together: one generator call for every request that is waiting.
+
+An agent harness runs G x P conversations at once; served one at a time, each decode step would run
+one row. The batcher collects what arrives within a short window and samples all requests with the
+same sampling parameters in one `generate` call (HFGenerator pads and batches them), so the server's
+cost per step is close to that of the engine's own rollouts. A request with a `seed` runs alone, with
+the generator's stream reseeded for it and restored after, so it neither shifts nor depends on others.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from rlvr.rollout.generator import Completion, SamplingParams
+from rlvr.serve.state import ServeState
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int | None
+    future: Future[list[Completion]] = field(default_factory=Future)
+
+
+class GenerationBatcher:
+    """`submit(prompt_ids, sampling, seed)` -> the request's n completions; a daemon thread samples."""
+
+    def __init__(self, state: ServeState, window_s: float = 0.01, max_prompts: int = 64) -> None:
+        self.state = state
+        self.window_s = window_s
+        self.max_prompts = max_prompts
+        self._queue: queue.Queue[_Request | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="rlvr-serve-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, prompt_ids: list[int], sampling: SamplingParams, seed: int | None = None
+    ) -> list[Completion]:
+        request = _Request(prompt_ids, sampling, seed)
+        self._queue.put(request)
+        return request.future.result()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _take_batch(self, first: _Request) -> tuple[list[_Request], bool]:
+        """`first` and whatever arrives within the window; False when close() was asked."""
+        batch = [first]
+        deadline = time.monotonic() + self.window_s
+        while len(batch) < self.max_prompts:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                break
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                break
+            if item is None:
+                return batch, False
+            batch.append(item)
+        return batch, True
+
+    def _run(self) -> None:
+        running = True
+        while running:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch, running = self._take_batch(first)
+            # Same sampling parameters and no seed: one call. Seeded requests one by one.
+            groups: dict[SamplingParams, list[_Request]] = {}
+            for r in batch:
+                if r.seed is None:
+                    groups.setdefault(r.sampling, []).append(r)
+            for sampling, members in groups.items():
+                self._sample(members, sampling, None)
+            for r in batch:
+                if r.seed is not None:
+                    self._sample([r], r.sampling, r.seed)
+
+    def _sample(self, members: list[_Request], sampling: SamplingParams, seed: int | None) -> None:
+        generator = self.state.generator
+        try:
+            with self.state.lock:
+                saved = generator.get_state() if seed is not None else None
+                if seed is not None:
+                    generator.rng.manual_seed(seed)
+                try:
+                    results = generator.generate([r.prompt_ids for r in members], sampling)
+                finally:
+                    if saved is not None:
+                        generator.set_state(saved)
+        except Exception as exc:  # every waiting request learns why, none hangs
+            for r in members:
+                r.future.set_exception(exc)
+            return
+        for r, completions in zip(members, results, strict=True):
+            r.future.set_result(completions)

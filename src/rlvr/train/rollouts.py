@@ -1,0 +1,193 @@
+"""Where a step's episodes are played, and how the samplers get the new weights after an update.
+
+One object per run, chosen by the config; the loop calls `sample_round()` (one round of
+sampling.prompts_per_step tasks x G, scored), `after_update(step)` and `close()`:
+
+    in process (default)     the engine on the run's generator: HF in process, or an
+                             OpenAI-compatible server (generator.backend: server) synced after
+                             every update (rlvr.rollout.server)
+    rollout: external        the user's agent through the in-run endpoint (rlvr.serve.external)
+    distributed.ray          Ray actors, each with a copy of the policy (rlvr.scale.ray_rollout)
+    rollout.async_rollouts   a background thread samples round k+1 on a copy while round k trains
+                             (rlvr.scale.async_rollout)
+    under torchrun           each rank plays its share of the round's tasks, then every rank
+                             gathers the whole round (rlvr.scale.torch_dist)
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+from rlvr.build import use_bf16
+from rlvr.config import RunConfig
+from rlvr.errors import ConfigError
+from rlvr.models import Policy, eos_token_ids
+from rlvr.records import Group, Task
+from rlvr.rollout.engine import RolloutLimits, rollout_groups
+from rlvr.rollout.generator import Generator, SamplingParams
+from rlvr.rollout.hf import HFGenerator
+from rlvr.scale.weights import load_trainable_state, trainable_state
+from rlvr.tasks import TaskSplits
+from rlvr.train.sources import Sources
+
+
+def torch_dist_context(cfg: RunConfig) -> Any:
+    """The torchrun rank context (rlvr.scale.torch_dist), or None in a single process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    if cfg.rollout.mode == "external" or cfg.distributed.ray or cfg.rollout.async_rollouts:
+        raise ConfigError(
+            "under torchrun, rollouts are played by the ranks themselves: rollout.mode external, "
+            "distributed.ray and rollout.async_rollouts are single-learner options"
+        )
+    from rlvr.scale.torch_dist import DistContext
+
+    return DistContext.from_env(cfg.distributed.strategy)
+
+
+class RolloutPlan:
+    """The run's way of sampling (see the module docstring). `generator` is the one the held-out
+    eval uses (the learner's own, or the synced copy under fsdp)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        policy: Policy,
+        sources: Sources,
+        sampling: SamplingParams,
+        limits: RolloutLimits,
+        *,
+        config_dir: Path | None = None,
+        tasks: TaskSplits | None = None,
+        dist: Any = None,
+        run_dir: Path | None = None,
+    ) -> None:
+        self.cfg, self.policy, self.sources = cfg, policy, sources
+        self.sampling, self.limits, self.dist = sampling, limits, dist
+        self.external: Any = None
+        self.ray: Any = None
+        self.async_: Any = None
+        self.copy_model: Any = None  # fsdp: an unsharded copy that samples
+        seed = cfg.train.seed + (1000 * dist.rank if dist is not None else 0)
+        if cfg.generator.backend == "server":
+            from rlvr.rollout.server import build_server_generator
+
+            self.generator: Any = build_server_generator(
+                policy, cfg, run_dir or Path(cfg.output_dir)
+            )
+        elif dist is not None and dist.strategy == "fsdp":
+            # Sharded weights cannot sample (every forward would be a collective in lock-step across
+            # ranks of unequal decode lengths): generate from a full copy refreshed after each update.
+            self.copy_model = copy.deepcopy(policy.model).eval().requires_grad_(False)
+            self.generator = self._hf(self.copy_model, seed)
+        else:
+            self.generator = self._hf(policy.model, seed)
+        if cfg.rollout.mode == "external":
+            from rlvr.serve.external import ExternalRollout
+
+            self.external = ExternalRollout(cfg, policy, self.generator, sources, config_dir)
+        elif cfg.distributed.ray:
+            from rlvr.scale.ray_rollout import RayRollout
+
+            self.ray = RayRollout(cfg, config_dir, tasks)
+        elif cfg.rollout.async_rollouts:
+            from rlvr.scale.async_rollout import AsyncRollout
+
+            self.async_ = AsyncRollout(
+                policy,
+                lambda model: self._hf(model, seed + 1),
+                lambda generator: self._play(generator),
+                cfg.rollout.max_staleness,
+            )
+
+    def _hf(self, model: Any, seed: int) -> HFGenerator:
+        return HFGenerator(
+            model,
+            self.policy.tokenizer,
+            eos_token_ids(model, self.policy.tokenizer),
+            seed=seed,
+            autocast_bf16=use_bf16(self.cfg.model),
+        )
+
+    def _rollout(self, tasks: list[Task], generator: Generator) -> list[Group]:
+        return rollout_groups(
+            tasks,
+            self.sources.make_env,
+            generator,
+            self.policy.tokenizer,
+            self.sampling,
+            self.sources.scoring,
+            self.limits,
+        )
+
+    def _play(self, generator: Generator) -> list[Group]:
+        return self._rollout(self.sources.next_batch(self.cfg.sampling.prompts_per_step), generator)
+
+    def sample_round(self) -> list[Group]:
+        """One round: prompts_per_step tasks x G trajectories, scored, in task order."""
+        if self.async_ is not None:
+            return list(self.async_.next_round())
+        batch = self.sources.next_batch(self.cfg.sampling.prompts_per_step)
+        if self.dist is not None:  # every rank drew the same batch; each plays its share
+            batch = self.dist.shard(batch)
+        if self.external is not None:
+            groups = self.external.rollout(batch, self.sampling.n)
+        elif self.ray is not None:
+            groups = self.ray.rollout(batch, self.sampling, self.limits)
+        else:
+            groups = self._rollout(batch, self.generator)
+        if self.dist is not None:
+            groups = self.dist.all_gather_objects(groups)
+        return groups
+
+    def metrics(self) -> dict[str, float]:
+        """The samplers' own numbers for the last round (worker balance, staleness, agent errors)."""
+        for part in (self.external, self.ray, self.async_):
+            if part is not None:
+                return dict(part.last_metrics)
+        return {}
+
+    def after_update(self, step: int) -> None:
+        """Send the updated weights to whatever samples."""
+        if self.cfg.generator.backend == "server":
+            self.generator.sync_weights(self.policy, step)
+        if self.ray is not None:
+            self.ray.sync_weights(self.policy)
+        if self.async_ is not None:
+            self.async_.publish(self.policy)
+        if self.copy_model is not None:
+            full = self.dist.full_state_dict(self.policy.model)
+            names = {n for n, _ in self.copy_model.named_parameters()}
+            load_trainable_state(self.copy_model, {k: v for k, v in full.items() if k in names})
+
+    def before_save(self) -> None:
+        """fsdp: gather the full weights into the sampling copy (every rank calls it; collective)."""
+        if self.copy_model is not None:
+            self.after_update(-1)
+
+    def after_resume(self) -> None:
+        """The samplers start from the checkpoint's weights, not the base model's."""
+        if self.ray is not None:
+            self.ray.sync_weights(self.policy)
+        if self.copy_model is not None:
+            load_trainable_state(self.copy_model, trainable_state(self.policy.model))
+
+    def evaluate(self, default: Any) -> dict[str, float]:
+        """Held-out eval: the agent's for an external run, else `default()` (the engine's)."""
+        if self.external is not None:
+            source = next(iter(self.sources))
+            return dict(
+                self.external.evaluate(source.splits.heldout[: self.cfg.eval.n], source.metric)
+            )
+        return dict(default())
+
+    def close(self) -> None:
+        for part in (self.external, self.ray, self.async_):
+            if part is not None:
+                part.close()
+        closer = getattr(self.generator, "close", None)
+        if self.cfg.generator.backend == "server" and callable(closer):
+            closer()
