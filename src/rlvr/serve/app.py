@@ -179,7 +179,9 @@ def _choice(
     if request.logprobs:
         tops: list[list[tuple[int, float]]] = []
         if request.top_logprobs:
-            with state.lock:
+            from rlvr.serve.completions import use_model
+
+            with state.lock, use_model(state, request.model):
                 tops = top_logprobs(
                     state,
                     prompt_ids,
@@ -270,7 +272,7 @@ def create_app(state: ServeState, record_dir: str | Path | None = None) -> FastA
             prompt_ids = render_prompt_ids(
                 state.tokenizer, template_messages(request.messages), tools
             )
-            completions = batcher.submit(prompt_ids, sampling, request.seed)
+            completions = batcher.submit(prompt_ids, sampling, request.seed, request.model)
             choices = [
                 _choice(state, request, i, prompt_ids, c, sampling)[0]
                 for i, c in enumerate(completions)
@@ -278,7 +280,7 @@ def create_app(state: ServeState, record_dir: str | Path | None = None) -> FastA
         else:
             with recorder.exchange(rollout_id) as rollout:
                 prompt_ids = recorder.prompt_ids(rollout, state.tokenizer, request.messages, tools)
-                completions = batcher.submit(prompt_ids, sampling, request.seed)
+                completions = batcher.submit(prompt_ids, sampling, request.seed, request.model)
                 choice, message = _choice(state, request, 0, prompt_ids, completions[0], sampling)
                 sampled = completions[0].token_ids
                 eos = "" if not sampled else _special_text(state.tokenizer, sampled[-1])

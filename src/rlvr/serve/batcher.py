@@ -24,6 +24,7 @@ class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     seed: int | None
+    model: str
     future: Future[list[Completion]] = field(default_factory=Future)
 
 
@@ -39,9 +40,14 @@ class GenerationBatcher:
         self._thread.start()
 
     def submit(
-        self, prompt_ids: list[int], sampling: SamplingParams, seed: int | None = None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        seed: int | None = None,
+        model: str | None = None,
     ) -> list[Completion]:
-        request = _Request(prompt_ids, sampling, seed)
+        """The request's n completions, from `model` (a loaded LoRA adapter's name, or the base)."""
+        request = _Request(prompt_ids, sampling, seed, model or self.state.model_name)
         self._queue.put(request)
         return request.future.result()
 
@@ -73,21 +79,25 @@ class GenerationBatcher:
             if first is None:
                 return
             batch, running = self._take_batch(first)
-            # Same sampling parameters and no seed: one call. Seeded requests one by one.
-            groups: dict[SamplingParams, list[_Request]] = {}
+            # Same model, sampling parameters and no seed: one call. Seeded requests one by one.
+            groups: dict[tuple[str, SamplingParams], list[_Request]] = {}
             for r in batch:
                 if r.seed is None:
-                    groups.setdefault(r.sampling, []).append(r)
-            for sampling, members in groups.items():
-                self._sample(members, sampling, None)
+                    groups.setdefault((r.model, r.sampling), []).append(r)
+            for (model, sampling), members in groups.items():
+                self._sample(members, model, sampling, None)
             for r in batch:
                 if r.seed is not None:
-                    self._sample([r], r.sampling, r.seed)
+                    self._sample([r], r.model, r.sampling, r.seed)
 
-    def _sample(self, members: list[_Request], sampling: SamplingParams, seed: int | None) -> None:
+    def _sample(
+        self, members: list[_Request], model: str, sampling: SamplingParams, seed: int | None
+    ) -> None:
+        from rlvr.serve.completions import use_model
+
         generator = self.state.generator
         try:
-            with self.state.lock:
+            with self.state.lock, use_model(self.state, model):
                 saved = generator.get_state() if seed is not None else None
                 if seed is not None:
                     generator.rng.manual_seed(seed)

@@ -1,50 +1,44 @@
 """vLLM's token-id protocol on `rlvr serve`: /v1/completions, runtime LoRA adapters, weight reloads.
 
-A trainer whose rollouts run on a server (rlvr.rollout.server.ServerGenerator) speaks the same requests
-to `vllm serve` and to `rlvr serve`; this router answers them from the HF model of `ServeState`.
+A trainer sampling on a server (rlvr.rollout.server.ServerGenerator) sends the same requests to
+`vllm serve` and to `rlvr serve`; this router answers them from the HF model of `ServeState`.
 
-What vLLM serves (read from vllm-project/vllm: entrypoints/openai/completion/protocol.py and
-serving.py, serve/lora/api_router.py, serve/dev/rpc/api_router.py, v1/worker/gpu_model_runner.py,
-v1/sample/sampler.py; docs.vllm.ai features/lora):
+vLLM's side, as read in vllm-project/vllm (entrypoints/openai/completion/{protocol,serving}.py,
+serve/lora/api_router.py, serve/dev/rpc/api_router.py, v1/worker/gpu_model_runner.py,
+v1/sample/sampler.py) and docs.vllm.ai (features/lora):
+- POST /v1/completions. `prompt`: a string, strings, a token-id list or token-id lists (ids are used
+  as given, no BOS added). `n`, `temperature`, `top_p`, `top_k` (-1/0 off), `min_p`,
+  `repetition_penalty`, `max_tokens` (default 16), `stop`, `stop_token_ids`, `seed` (every prompt of
+  a request gets it), `logprobs` (k: the sampled token's log-prob and the k likeliest), `echo`,
+  `stream`; unknown fields are ignored. `return_token_ids: true` (vLLM >= 0.10.2) adds
+  `choices[i].token_ids` (sampled ids, the EOS or stop token included) and `prompt_token_ids`;
+  `return_tokens_as_token_ids` (or the server flag --return-tokens-as-token-ids) writes
+  `logprobs.tokens` as "token_id:123". Choice i*n + j is prompt i's sample j. `logprobs` = {tokens,
+  token_logprobs (clamped at -9999.0), top_logprobs ({token: logprob} per position), text_offset};
+  `finish_reason` "stop" | "length"; `stop_reason` the stop string, the stop token id, or null for
+  EOS; `usage` counts each prompt once.
+- Log-probs: by default (--logprobs-mode raw_logprobs) of the raw softmax, before temperature;
+  --logprobs-mode processed_logprobs (vLLM >= 0.10.2) gives them after temperature and top-k/top-p
+  masking: at top_p = 1 exactly the tempered distribution the trainer recomputes.
+- Errors: {"error": {"message", "type", "param", "code"}}; an unknown model is a 404, other bad
+  input a 400.
+- Runtime LoRA (--enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): POST /v1/load_lora_adapter
+  {lora_name, lora_path, load_inplace?} -> 200 "Success: LoRA adapter '<name>' added successfully."
+  (a loaded name is a 400 unless load_inplace); POST /v1/unload_lora_adapter {lora_name}. Requests
+  name the adapter as `model`; /v1/models lists it.
+- Full weights: no stable endpoint reloads weights from disk. The real mechanism is the dev-mode RPC
+  (VLLM_SERVER_DEV_MODE=1): POST /collective_rpc {"method": "reload_weights", "kwargs":
+  {"weights_path": DIR}} -> Worker.reload_weights -> GPUModelRunner.reload_weights(weights_path=...),
+  which loads DIR's safetensors in place (layerwise reload, recent vLLM; older ones take no argument
+  and re-read the launch path); then POST /reset_prefix_cache (cached KV came from the old weights).
+  Newer vLLM also has NCCL/IPC weight transfer (/init_weight_transfer_engine, /update_weights),
+  which needs a process group, not a folder.
 
-- POST /v1/completions. `prompt`: a string, a list of strings, a token-id list or a list of token-id
-  lists (token prompts are used as given: no BOS added). `n`, `temperature`, `top_p`, `top_k` (-1/0:
-  off), `min_p`, `repetition_penalty`, `max_tokens` (default 16), `stop` (str or list), `stop_token_ids`,
-  `seed` (per request; each prompt of the request gets the same seed), `logprobs` (int k: the sampled
-  token's log-prob plus the k most likely), `echo`, `stream`. Extra fields are accepted and ignored.
-  `return_token_ids: true` (vLLM >= 0.10.2) adds `choices[i].token_ids` (sampled ids, the EOS or stop
-  token included) and `choices[i].prompt_token_ids`; `return_tokens_as_token_ids: true` (or the
-  server flag --return-tokens-as-token-ids) writes `logprobs.tokens` as "token_id:123". Choices are
-  numbered prompt-major (prompt i's sample j has index i*n + j). `logprobs` holds `tokens`,
-  `token_logprobs` (clamped at -9999.0), `top_logprobs` (a {token: logprob} dict per position) and
-  `text_offset`; `finish_reason` is "stop" or "length", `stop_reason` the stop string, the stop token
-  id, or null for EOS. `usage` counts each prompt once and every sampled token.
-- Which log-probs: by default (`--logprobs-mode raw_logprobs`) those of the model's raw softmax,
-  before temperature. `--logprobs-mode processed_logprobs` (vLLM >= 0.10.2) reports them after
-  temperature and top-k/top-p masking: at top_p = 1 exactly the tempered distribution this project's
-  trainer recomputes (rlvr.rollout.generator), which is why the launcher passes it.
-- Errors: {"error": {"message", "type", "param", "code"}}; vLLM answers an unknown model with 404
-  NotFoundError, other bad input with 400 BadRequestError.
-- Runtime LoRA (vLLM >= 0.6.x; needs --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True):
-  POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"?} -> 200 text "Success: LoRA
-  adapter '<name>' added successfully."; a name already loaded is a 400 unless load_inplace;
-  POST /v1/unload_lora_adapter {"lora_name"} -> 200 "... removed successfully.". A request selects an
-  adapter by passing its name as `model`; /v1/models lists adapters next to the base model.
-- Full weights: vLLM has no stable public endpoint that reloads weights from disk. The real mechanism
-  is the dev-mode RPC (VLLM_SERVER_DEV_MODE=1): POST /collective_rpc {"method": "reload_weights",
-  "kwargs": {"weights_path": DIR}} calls Worker.reload_weights -> GPUModelRunner.reload_weights(
-  weights_path=...), which points the model config at DIR and loads its safetensors in place
-  (layerwise reload; the `weights_path` argument exists in recent vLLM, about 0.15+; older ones take
-  no argument and re-read the launch path). Then POST /reset_prefix_cache: cached KV blocks were
-  computed by the old weights. Newer vLLM also has NCCL/IPC weight-transfer endpoints
-  (/init_weight_transfer_engine, /update_weights), which need a process group, not a folder.
-
-Here: the same endpoints and fields, sampled by `state.generator` (HFGenerator; log-probs of the
-tempered distribution before top-p, as --logprobs-mode processed_logprobs at top_p = 1). A seeded
-request reseeds the generator for each of its prompts, so it returns exactly what a fresh HFGenerator
-with that seed returns in process. Sampling features HFGenerator lacks (top_k, min_p, penalties,
-beam search, echo, streaming) are refused with 400 rather than silently ignored. Unlike vLLM, an
-unknown model is a 400 too (every client error is). /health and /v1/models come from app.py.
+Here: the same endpoints and fields, sampled by `state.generator` (HFGenerator: log-probs of the
+tempered distribution before top-p). A seeded request reseeds the generator for each prompt, so it
+returns exactly what a fresh HFGenerator with that seed returns in process. What HFGenerator cannot
+do (top_k, min_p, penalties, beam search, echo, streaming) is a 400, never silently ignored; so is an
+unknown model (every client error is a 400 here). /health and /v1/models come from app.py.
 """
 
 from __future__ import annotations
@@ -52,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -201,7 +196,7 @@ def complete(state: ServeState, request: CompletionRequest) -> dict[str, Any]:
     _refuse_unsupported(state, request)
     prompts = prompt_ids_of(state, request)
     sampling = sampling_of(state, request, max(len(p) for p in prompts))
-    tops: list[list[list[tuple[int, float]]]] = []
+    tops: list[list[list[list[tuple[int, float]]]]] = []  # [prompt][sample][position][k]
     with state.lock, use_model(state, model):
         generator = state.generator
         if request.seed is None:
@@ -227,7 +222,7 @@ def complete(state: ServeState, request: CompletionRequest) -> dict[str, Any]:
                 ]
                 for p, completions in zip(prompts, results, strict=True)
             ]
-    choices = []
+    choices: list[dict[str, Any]] = []
     for i, (prompt, completions) in enumerate(zip(prompts, results, strict=True)):
         for j, completion in enumerate(completions):
             top = tops[i][j] if tops else None
@@ -250,23 +245,20 @@ def complete(state: ServeState, request: CompletionRequest) -> dict[str, Any]:
 
 def _refuse_unsupported(state: ServeState, r: CompletionRequest) -> None:
     """400 for what HFGenerator cannot do, rather than sampling something else than was asked."""
-    refused = [
-        ("stream", r.stream, "streaming"),
-        ("echo", r.echo, "echo"),
-        ("use_beam_search", r.use_beam_search, "beam search"),
-        ("top_k", r.top_k not in (None, 0, -1), "top_k"),
-        ("min_p", r.min_p not in (None, 0.0), "min_p"),
-        ("repetition_penalty", r.repetition_penalty not in (None, 1.0), "repetition_penalty"),
-        ("presence_penalty", r.presence_penalty not in (None, 0.0), "presence_penalty"),
-        ("frequency_penalty", r.frequency_penalty not in (None, 0.0), "frequency_penalty"),
-        ("logit_bias", bool(r.logit_bias), "logit_bias"),
-        ("ignore_eos", r.ignore_eos, "ignore_eos"),
-        ("min_tokens", r.min_tokens > 0, "min_tokens"),
-        ("prompt_logprobs", r.prompt_logprobs is not None, "prompt_logprobs"),
-    ]
-    for param, asked, what in refused:
+    refused = {
+        "stream": r.stream, "echo": r.echo, "use_beam_search": r.use_beam_search,
+        "top_k": r.top_k not in (None, 0, -1), "min_p": r.min_p not in (None, 0.0),
+        "repetition_penalty": r.repetition_penalty not in (None, 1.0),
+        "presence_penalty": r.presence_penalty not in (None, 0.0),
+        "frequency_penalty": r.frequency_penalty not in (None, 0.0),
+        "logit_bias": bool(r.logit_bias), "ignore_eos": r.ignore_eos, "min_tokens": r.min_tokens > 0,
+        "prompt_logprobs": r.prompt_logprobs is not None,
+    }  # fmt: skip
+    for param, asked in refused.items():
         if asked:
-            raise BadInput(f"{param}: {what} is not supported by rlvr serve", param)
+            raise BadInput(
+                f"{param}: not supported by rlvr serve (its sampler has no such option)", param
+            )
     if r.logprobs is not None and not 0 <= r.logprobs <= 20:
         raise BadInput(f"logprobs: must be in [0, 20], got {r.logprobs}", "logprobs")
     # The generator always stops at the model's EOS ids; other stop ids it cannot honour.
@@ -291,7 +283,9 @@ def prompt_ids_of(state: ServeState, r: CompletionRequest) -> list[list[int]]:
         texts = [str(p) for p in prompt]
     if texts:
         tok = state.tokenizer
-        prompts = [list(tok(t, add_special_tokens=r.add_special_tokens)["input_ids"]) for t in texts]
+        prompts = [
+            list(tok(t, add_special_tokens=r.add_special_tokens)["input_ids"]) for t in texts
+        ]
     elif isinstance(prompt[0], int):
         prompts = [[int(t) for t in prompt]]  # type: ignore[arg-type]
     else:
@@ -302,7 +296,9 @@ def prompt_ids_of(state: ServeState, r: CompletionRequest) -> list[list[int]]:
             raise BadInput(f"prompt {i} is empty: at least one token is needed", "prompt")
         bad = next((t for t in p if not 0 <= t < vocab), None)
         if bad is not None:
-            raise BadInput(f"prompt {i}: token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+            raise BadInput(
+                f"prompt {i}: token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
+            )
     return prompts
 
 
@@ -400,7 +396,12 @@ def _logprobs(
         for other, other_value in top[j] if top else ():
             entry.setdefault(name(other), max(other_value, MIN_LOGPROB))
         tops.append(entry)
-    return {"text_offset": offsets, "token_logprobs": values, "tokens": tokens, "top_logprobs": tops}
+    return {
+        "text_offset": offsets,
+        "token_logprobs": values,
+        "tokens": tokens,
+        "top_logprobs": tops,
+    }
 
 
 # ------------------------------------------------------------------------------------------ adapters
@@ -449,7 +450,9 @@ def use_model(state: ServeState, name: str) -> Iterator[None]:
 def load_adapter(state: ServeState, name: str, path: str, inplace: bool = False) -> None:
     """Load the peft adapter folder `path` as `name` (wrapping a plain model on the first load)."""
     if name == state.model_name:
-        raise BadInput(f"The lora adapter name '{name}' conflicts with the served model.", "lora_name")
+        raise BadInput(
+            f"The lora adapter name '{name}' conflicts with the served model.", "lora_name"
+        )
     if not (Path(path) / "adapter_config.json").is_file():
         raise BadInput(f"No adapter found at '{path}' (no adapter_config.json)", "lora_path")
     from peft import PeftModel
@@ -491,7 +494,9 @@ def _drop_adapter(state: ServeState, name: str) -> None:
     others = [a for a in state.model.peft_config if a != name]
     del state.adapters[name]
     if others:
-        state.model.delete_adapter(name)
+        with warnings.catch_warnings():  # "adapter X was active, now Y": _rest sets it right after
+            warnings.simplefilter("ignore", UserWarning)
+            state.model.delete_adapter(name)
     else:
         # peft cannot run a model whose last adapter was deleted: unwrap it instead.
         state.model = state.generator.model = state.model.unload()
@@ -535,14 +540,18 @@ def reload_weights(state: ServeState, path: str | Path) -> None:
         target = plain_parameters(state.model)
         unknown = [n for n in weights if n not in target]
         if unknown:
-            raise BadInput(f"'{path}' holds '{unknown[0]}', which the served model has no place for")
+            raise BadInput(
+                f"'{path}' holds '{unknown[0]}', which the served model has no place for"
+            )
         covered = {target[n].data_ptr() for n in weights}
         missing = [n for n, t in target.items() if n not in weights and t.data_ptr() not in covered]
         if missing:
             raise BadInput(f"'{path}' lacks the weight '{missing[0]}' of the served model")
         for n, w in weights.items():
             if tuple(w.shape) != tuple(target[n].shape):
-                raise BadInput(f"'{path}': '{n}' has shape {tuple(w.shape)}, the model {tuple(target[n].shape)}")
+                raise BadInput(
+                    f"'{path}': '{n}' has shape {tuple(w.shape)}, the model {tuple(target[n].shape)}"
+                )
         with torch.no_grad():
             for n, w in weights.items():
                 target[n].copy_(w.to(target[n].device, target[n].dtype))

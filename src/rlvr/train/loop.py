@@ -182,7 +182,7 @@ def train(
         monitors.load_state_dict(state.get("monitors", {}))
         cfg = apply_changes(cfg, monitors.changes)  # mitigations made before the checkpoint
         ensure_reference(policy, cfg)
-        plan.after_resume()
+        plan.after_resume(start_step)
 
     tracker = (Tracker if is_main else NullTracker)(
         run_dir,
@@ -200,10 +200,9 @@ def train(
         monitors.replay(read_metrics(run_dir))  # the history up to the checkpoint
 
     def save(step: int) -> None:
-        if dist is not None:
-            plan.before_save()  # fsdp: the full weights gathered into the sampling copy (collective)
-            if not dist.is_main:
-                return
+        plan.before_save()  # async: producer idle; fsdp: full weights gathered (collective)
+        if not is_main:
+            return
         save_checkpoint(
             run_dir,
             step,

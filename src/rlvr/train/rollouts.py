@@ -158,20 +158,30 @@ class RolloutPlan:
             self.ray.sync_weights(self.policy)
         if self.async_ is not None:
             self.async_.publish(self.policy)
+        self._refresh_copy()
+
+    def _refresh_copy(self) -> None:
         if self.copy_model is not None:
             full = self.dist.full_state_dict(self.policy.model)
             names = {n for n, _ in self.copy_model.named_parameters()}
             load_trainable_state(self.copy_model, {k: v for k, v in full.items() if k in names})
 
     def before_save(self) -> None:
-        """fsdp: gather the full weights into the sampling copy (every rank calls it; collective)."""
-        if self.copy_model is not None:
-            self.after_update(-1)
+        """Before a checkpoint: async, wait until the producer is between rounds (the task sampler's
+        state is then not moving); fsdp, gather the full weights into the sampling copy (every rank
+        calls it: collective)."""
+        if self.async_ is not None:
+            self.async_.wait_idle()
+        self._refresh_copy()
 
-    def after_resume(self) -> None:
-        """The samplers start from the checkpoint's weights, not the base model's."""
+    def after_resume(self, step: int) -> None:
+        """The samplers start from the checkpoint's (step's) weights, not the base model's."""
+        if self.cfg.generator.backend == "server":
+            self.generator.sync_weights(self.policy, step)
         if self.ray is not None:
             self.ray.sync_weights(self.policy)
+        if self.async_ is not None:  # the copy was taken before the checkpoint was loaded
+            self.async_.publish(self.policy)
         if self.copy_model is not None:
             load_trainable_state(self.copy_model, trainable_state(self.policy.model))
 

@@ -13,6 +13,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from rlvr.config import RunConfig
 from rlvr.models import Policy
 from rlvr.observe.flops import backward_flops, forward_flops, linear_weights
 from rlvr.records import Trajectory
+from rlvr.scale.torch_dist import DistContext, contiguous_cuts
 from rlvr.train.batch import TrainBatch, collate, token_distributions, token_logprobs
 
 
@@ -38,13 +40,38 @@ def micro_batches(
 ) -> list[list[int]]:
     """Split `indices` into micro-batches of `size`: rows of one prompt together (its forward pass is
     shared), similar lengths together (less padding)."""
+    ordered = prompt_order(trajectories, indices)
+    return [ordered[s : s + size] for s in range(0, len(ordered), size)]
+
+
+def prompt_order(trajectories: Sequence[Trajectory], indices: Sequence[int]) -> list[int]:
+    """`indices` grouped by task (in order of first appearance), shortest first within a task."""
     first_seen: dict[str, int] = {}
     for i in indices:
         first_seen.setdefault(trajectories[i].task_id, i)
-    ordered = sorted(
+    return sorted(
         indices, key=lambda i: (first_seen[trajectories[i].task_id], len(trajectories[i].token_ids))
     )
-    return [ordered[s : s + size] for s in range(0, len(ordered), size)]
+
+
+def shard_rows(
+    trajectories: Sequence[Trajectory], indices: Sequence[int], world_size: int
+) -> list[list[int]]:
+    """Every rank's rows of `indices` (a list per rank): contiguous runs of the prompt order with about
+    equal tokens to forward, cut between tasks unless cutting inside one balances better by more than
+    the prompt it then forwards twice (rlvr.scale.torch_dist.contiguous_cuts). A rank's run is
+    already in `micro_batches` order."""
+    ordered = prompt_order(trajectories, indices)
+    # A row costs its completion; a task's prompt is forwarded once per rank that holds its rows.
+    costs = [float(len(trajectories[i].token_ids) - trajectories[i].prompt_length) for i in ordered]
+    starts, prompts = [], []
+    for k, i in enumerate(ordered):
+        if k == 0 or trajectories[i].task_id != trajectories[ordered[k - 1]].task_id:
+            starts.append(k)
+            prompts.append(float(trajectories[i].prompt_length))
+            costs[k] += prompts[-1]
+    cuts = contiguous_cuts(costs, starts, world_size, prompts)
+    return [ordered[cuts[r] : cuts[r + 1]] for r in range(world_size)]
 
 
 def per_token_scores(
@@ -52,20 +79,87 @@ def per_token_scores(
     trajectories: Sequence[Trajectory],
     cfg: RunConfig,
     pad_token_id: int,
+    dist: DistContext | None = None,
 ) -> list[list[float]]:
     """`score(batch) -> (B, C)` (reference log-probs, critic values) for every usable trajectory, as one
     list per trajectory with a value per completion token (zeros for a trajectory that did not score).
-    Runs without gradient, micro-batched like the update."""
+    Runs without gradient, micro-batched like the update. With `dist` each rank scores its shard of
+    the rows (in lock-step under fsdp, see `RankPlan`) and every rank gets every row's scores."""
     out = [[0.0] * (len(t.token_ids) - t.prompt_length) for t in trajectories]
     usable = [i for i, t in enumerate(trajectories) if t.usable]
+    plan = RankPlan.make(trajectories, usable, cfg.train.micro_batch_size, dist)
+    zeros = [[0.0] * (len(t.token_ids) - t.prompt_length) for t in trajectories]
     with torch.no_grad():
-        for chunk in micro_batches(trajectories, usable, cfg.train.micro_batch_size):
-            rows = [trajectories[i] for i in chunk]
-            zeros = [[0.0] * (len(t.token_ids) - t.prompt_length) for t in rows]
-            scores_B_C = score(collate(rows, zeros, pad_token_id))
-            for row, i in enumerate(chunk):
+        for chunk in plan.chunks:
+            device = dist.device if dist is not None else None
+            scores_B_C = score(plan.collate(trajectories, zeros, pad_token_id, chunk, device))
+            for row, i in enumerate(chunk if chunk is not plan.padding else []):
                 out[i] = scores_B_C[row, : len(out[i])].tolist()
+    if dist is None:
+        return out
+    mine = [(i, out[i]) for chunk in plan.chunks if chunk is not plan.padding for i in chunk]
+    for i, values in dist.all_gather_objects(mine):
+        out[i] = values
     return out
+
+
+@dataclass
+class RankPlan:
+    """The micro-batches (lists of row indices) this process forwards, for one pass over `rows`.
+
+    Single process: all of `rows`. Under torchrun: this rank's shard (`shard_rows`). Under fsdp every
+    forward is a collective, so every rank must run as many forwards as the busiest one: the list is
+    topped up with `padding` (the shortest row of the batch, scored and then weighted 0). For the same
+    reason fsdp takes the shared-prompt path only if no row has a 1-token completion (that path calls
+    the model once instead of twice for such a micro-batch) and never the fused head (it calls the
+    decoder and the lm_head weight outside the root module's forward, where FSDP gathers them).
+    """
+
+    chunks: list[list[int]]
+    padding: list[int]
+    share_prefix: bool
+    fused: bool
+
+    @classmethod
+    def make(
+        cls,
+        trajectories: Sequence[Trajectory],
+        rows: Sequence[int],
+        size: int,
+        dist: DistContext | None,
+        share_prefix: bool = True,
+        fused: bool = True,
+    ) -> RankPlan:
+        if dist is None:
+            return cls(micro_batches(trajectories, rows, size), [], share_prefix, fused)
+        shards = shard_rows(trajectories, rows, dist.world_size)
+        chunks = micro_batches(trajectories, shards[dist.rank], size)
+        padding: list[int] = []
+        if dist.fsdp and rows:
+            steps = max(math.ceil(len(shard) / size) for shard in shards)
+            padding = [min(rows, key=lambda i: len(trajectories[i].token_ids))]
+            chunks += [padding] * (steps - len(chunks))  # the same list object: `is` finds it
+            short = any(
+                len(trajectories[i].token_ids) - trajectories[i].prompt_length < 2 for i in rows
+            )
+            share_prefix = share_prefix and not short
+            fused = False
+        return cls(chunks, padding, share_prefix, fused)
+
+    def collate(
+        self,
+        trajectories: Sequence[Trajectory],
+        token_advantages: Sequence[Sequence[float]],
+        pad_token_id: int,
+        chunk: list[int],
+        device: torch.device | None = None,
+    ) -> TrainBatch:
+        batch = collate(
+            [trajectories[i] for i in chunk], [token_advantages[i] for i in chunk], pad_token_id
+        )
+        if device is None or device.type == "cpu":
+            return batch
+        return TrainBatch(*(getattr(batch, f.name).to(device) for f in fields(TrainBatch)))
 
 
 def use_fused_logprobs(cfg: RunConfig) -> bool:
@@ -89,6 +183,7 @@ def policy_update(
     cfg: RunConfig,
     *,
     teacher: Any = None,
+    dist: DistContext | None = None,
 ) -> dict[str, float]:
     """num_iterations optimizer steps on one batch; returns the update's metrics.
 
@@ -98,6 +193,11 @@ def policy_update(
 
     Micro-batches accumulate gradients; the aggregation's normalisers are counted over the whole
     batch, so the accumulated gradient equals the full-batch gradient.
+
+    `dist` (under torchrun, rlvr.scale.torch_dist): every rank passes the same full batch and forwards
+    only its shard of the rows; the normalisers still count the whole batch and the gradients are
+    summed over ranks before clipping, so every rank takes the step one process would take on the
+    whole batch. The metrics are whole-batch ones on every rank.
     """
     started = time.perf_counter()
     obj, model = cfg.objective, policy.model
@@ -119,21 +219,29 @@ def policy_update(
     )
     forwarded = [i for i in usable if not (skip_zero and not any(token_advantages[i]))]
     pad_id = int(policy.tokenizer.pad_token_id)
+    plan = RankPlan.make(
+        trajectories,
+        forwarded,
+        cfg.train.micro_batch_size,
+        dist,
+        cfg.train.share_prompt_prefix,
+        use_fused_logprobs(cfg),
+    )
+    device = dist.device if dist is not None else None
+    # Under fsdp the list ends with zero-weight padding micro-batches (RankPlan): `real` says which.
     batches: list[TrainBatch] = [
-        collate([trajectories[i] for i in chunk], [token_advantages[i] for i in chunk], pad_id)
-        for chunk in micro_batches(trajectories, forwarded, cfg.train.micro_batch_size)
+        plan.collate(trajectories, token_advantages, pad_id, chunk, device) for chunk in plan.chunks
     ]
+    real = [chunk is not plan.padding for chunk in plan.chunks]
     total_tokens = float(sum(trajectories[i].num_policy_tokens for i in usable))
-    forwarded_tokens = float(sum(b.mask_B_C.sum() for b in batches))
+    forwarded_tokens = float(sum(b.mask_B_C.sum() for b, r in zip(batches, real, strict=True) if r))
     norms = {
         "total_tokens": total_tokens,
         "total_sequences": float(len(usable)),
         "norm_length": float(cfg.sampling.max_new_tokens),
     }
     temperature = cfg.sampling.temperature
-    share = cfg.train.share_prompt_prefix
-
-    fused = use_fused_logprobs(cfg)
+    share, fused = plan.share_prefix, plan.fused
 
     def logprobs_of(m: Any, b: TrainBatch) -> torch.Tensor:
         return token_logprobs(m, b, temperature, bf16=bf16, share_prefix=share, fused=fused)[0]
@@ -174,6 +282,11 @@ def policy_update(
                 fused=fused,
             )
             assert entropy_B_C is not None
+            if not real[i]:
+                # fsdp padding: the forward and backward keep this rank in step with the others
+                # (each is a collective); a zero loss adds nothing to the gradient.
+                (logp_B_C.sum() * 0.0).backward()
+                continue
             old_B_C = logp_B_C.detach() if old_logprobs is None else old_logprobs[i]
             out = loss_fn(
                 logp_B_C,
@@ -221,7 +334,12 @@ def policy_update(
         for p in policy.trainable_parameters():
             if p.grad is None:  # every row skipped: a zero gradient, so AdamW still steps as usual
                 p.grad = torch.zeros_like(p)
-        grad_norm = float(
+        if dist is not None:
+            # Sum over ranks before clipping, so the clipped norm is the whole batch's; the flag makes
+            # every rank skip (or take) the step together.
+            flag = dist.sum_gradients(policy.trainable_parameters(), [float(not finite_loss)])
+            finite_loss = flag[0] == 0
+        grad_norm = _as_float(
             torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.train.max_grad_norm)
         )
         if not (math.isfinite(grad_norm) and finite_loss):
@@ -231,6 +349,14 @@ def policy_update(
         grad_norms.append(grad_norm)
         optimizer.step()
 
+    real_batches = [b for b, r in zip(batches, real, strict=True) if r]
+    flops = _update_flops(policy, real_batches, cfg, kl_in_loss, share)
+    if dist is not None:
+        # Whole-batch metrics on every rank: the sums, the forwarded tokens and the FLOPs of all ranks.
+        sums = dist.all_reduce_sums(
+            {**sums, "_forwarded_tokens": forwarded_tokens, "_flops": flops}
+        )
+        forwarded_tokens, flops = sums.pop("_forwarded_tokens"), sums.pop("_flops")
     n_tok = total_tokens * obj.num_iterations
     n_fwd = forwarded_tokens * obj.num_iterations
 
@@ -253,7 +379,9 @@ def policy_update(
         # Generator vs trainer log-prob gap on the same tokens (numerics, or a stale/other engine).
         "update/behaviour_logprob_abs_diff": per_token("behaviour_logprob_diff", n_fwd),
     }
-    metrics.update(_throughput(policy, batches, cfg, kl_in_loss, time.perf_counter() - started))
+    seconds = time.perf_counter() - started
+    metrics["perf/update_gflops"] = flops / 1e9
+    metrics["perf/update_gflops_per_s"] = flops / 1e9 / seconds if seconds > 0 else float("nan")
     if "kl" in sums:
         metrics["kl"] = per_token("kl", n_tok)
     if "tis_weight" in sums:
@@ -264,14 +392,12 @@ def policy_update(
     return metrics
 
 
-def _throughput(
-    policy: Policy, batches: Sequence[TrainBatch], cfg: RunConfig, kl_in_loss: bool, seconds: float
-) -> dict[str, float]:
-    """Model FLOPs of this update (rlvr.observe.flops) and the rate they ran at: the pi_ref and
-    pi_old forwards when they ran, then forward + backward per iteration. A teacher's forward
-    (distill) is not counted."""
+def _update_flops(
+    policy: Policy, batches: Sequence[TrainBatch], cfg: RunConfig, kl_in_loss: bool, share: bool
+) -> float:
+    """Model FLOPs of this update (rlvr.observe.flops): the pi_ref and pi_old forwards when they ran,
+    then forward + backward per iteration. A teacher's forward (distill) is not counted."""
     weights = linear_weights(policy.model)
-    share = cfg.train.share_prompt_prefix
     forward = backward = 0.0
     for b in batches:
         completion = float(b.completion_mask_B_C.sum())
@@ -283,21 +409,37 @@ def _throughput(
         backward += backward_flops(weights, prompt + completion, completion)
     obj = cfg.objective
     extra_forwards = int(kl_in_loss) + int(obj.num_iterations > 1)
-    flops = forward * (extra_forwards + obj.num_iterations) + backward * obj.num_iterations
-    return {
-        "perf/update_gflops": flops / 1e9,
-        "perf/update_gflops_per_s": flops / 1e9 / seconds if seconds > 0 else float("nan"),
-    }
+    return forward * (extra_forwards + obj.num_iterations) + backward * obj.num_iterations
+
+
+def _as_float(norm: torch.Tensor) -> float:
+    """clip_grad_norm_'s result as a float; under fsdp it is a replicated DTensor."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if callable(full) else norm)
 
 
 def reference_logprobs(
-    policy: Policy, trajectories: Sequence[Trajectory], cfg: RunConfig
+    policy: Policy,
+    trajectories: Sequence[Trajectory],
+    cfg: RunConfig,
+    dist: DistContext | None = None,
 ) -> list[list[float]] | None:
-    """Reference log-probs per completion token when the KL penalty is in the reward; else None."""
+    """Reference log-probs per completion token when the KL penalty is in the reward; else None.
+    With `dist` each rank scores its shard and every rank gets all of them (`per_token_scores`)."""
     obj = cfg.objective
     if not (obj.kl_in_reward and obj.beta > 0):
         return None
     bf16 = use_bf16(cfg.model)
+    usable = [i for i, t in enumerate(trajectories) if t.usable]
+    # The same plan per_token_scores makes, for its share-prefix / fused choice (fsdp restricts both).
+    plan = RankPlan.make(
+        trajectories,
+        usable,
+        cfg.train.micro_batch_size,
+        dist,
+        cfg.train.share_prompt_prefix,
+        use_fused_logprobs(cfg),
+    )
     policy.model.eval()
     with policy.reference() as ref:
         return per_token_scores(
@@ -306,10 +448,11 @@ def reference_logprobs(
                 b,
                 cfg.sampling.temperature,
                 bf16=bf16,
-                share_prefix=cfg.train.share_prompt_prefix,
-                fused=use_fused_logprobs(cfg),
+                share_prefix=plan.share_prefix,
+                fused=plan.fused,
             )[0],
             trajectories,
             cfg,
             int(policy.tokenizer.pad_token_id),
+            dist,
         )

@@ -1,0 +1,534 @@
+"""Generation on an OpenAI-compatible server (`vllm serve`, or `rlvr serve` speaking the same protocol).
+
+`ServerGenerator` is a Generator (rollout/generator.py) over HTTP: one POST /v1/completions per prompt,
+its n samples in one request, up to `max_concurrency` requests in flight. Prompts go as token ids and
+the sampled ids come back exactly (`return_token_ids`), so nothing is re-tokenized; the log-probs are
+the server's. The protocol (endpoints, fields, vLLM versions) is written down in
+rlvr/serve/completions.py, which serves it from `rlvr serve`.
+
+Reproducible: request k of the run is sent with a seed derived from (seed, k); the counter k is the
+generator's checkpointed state (`get_state` / `set_state`), so a resumed run sends the seeds the
+uninterrupted one would have. rlvr serve then samples exactly what an in-process HFGenerator seeded
+with that seed samples; vLLM is reproducible per seed on the same hardware and batch layout.
+
+After each update `sync_weights` moves the learner's weights to the server:
+- lora: the adapter is saved to SYNC_DIR/step-N and loaded as `rlvr-step-N`
+  (/v1/load_lora_adapter); later requests name it as `model`; the previous one is unloaded;
+- full: the (merged) weights are saved to SYNC_DIR/full-step-N and the server reloads them in place
+  (/collective_rpc reload_weights, then /reset_prefix_cache: vLLM's dev-mode endpoints);
+- none: the server keeps its weights (evaluation).
+
+Which log-probs: vLLM reports the tempered ones only with --logprobs-mode processed_logprobs (the
+launcher passes it; a server started by hand needs it too, or its log-probs are those of temperature
+1), and with top_p < 1 vLLM renormalises them over the nucleus where this project's convention does
+not: the trainer's truncated importance sampling absorbs the difference, which is why a server
+backend turns it on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from rlvr.config import GeneratorConfig, RunConfig
+from rlvr.errors import ConfigError, RlvrError
+from rlvr.models import Policy, eos_token_ids, resolve_model_path
+from rlvr.rollout.generator import Completion, SamplingParams
+
+MASK64 = (1 << 64) - 1
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
+
+
+class ServerError(RlvrError):
+    """The generation server failed, refused a request, or answered outside the protocol."""
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The seed sent with request `index` of a generator seeded `seed`: splitmix64 of both, so nearby
+    runs and requests get unrelated streams; below 2**31 for any server's seed field."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) & 0x7FFFFFFF
+
+
+def server_root(url: str) -> str:
+    """http://host:port from a base URL given with or without the /v1 suffix."""
+    root = url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+class ServerGenerator:
+    """Generator over a completions server at `base_url` serving `model` (None: the first entry of
+    /v1/models). `process`: a server this object launched, terminated by `close()`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        *,
+        seed: int = 0,
+        max_concurrency: int = 32,
+        request_timeout_s: float = 600.0,
+        weight_sync: str = "none",
+        sync_dir: str | Path | None = None,
+        stop_token_ids: Sequence[int] = (),
+        process: subprocess.Popen[bytes] | None = None,
+    ) -> None:
+        self.root = server_root(base_url)
+        self.seed = seed
+        self.counter = 0  # requests sent so far: the next one's seed index
+        self.max_concurrency = max_concurrency
+        self.weight_sync = weight_sync
+        self.sync_dir = Path(sync_dir) if sync_dir is not None else None
+        self.stop_token_ids = sorted(set(stop_token_ids))
+        self.process = process
+        # No proxies from the environment: the server is named explicitly, usually on loopback.
+        self.client = httpx.Client(
+            timeout=request_timeout_s,
+            trust_env=False,
+            limits=httpx.Limits(max_connections=max_concurrency),
+        )
+        self.pool: ThreadPoolExecutor | None = None
+        self.base_model = model or self._first_model()
+        self.model = self.base_model  # the name requests use: the synced adapter's, with LoRA
+        # (adapter name, or "" for full weights; its folder) of the last sync
+        self._synced: tuple[str, Path] | None = None
+
+    # --------------------------------------------------------------------------------------- state
+    def get_state(self) -> torch.Tensor:
+        return torch.tensor([self.seed, self.counter], dtype=torch.int64)
+
+    def set_state(self, state: torch.Tensor) -> None:
+        if tuple(state.shape) != (2,):
+            # A checkpoint of another backend (HFGenerator's RNG bytes): its stream cannot carry over.
+            warnings.warn(
+                "generator state from another backend ignored: the server generator's request seeds "
+                "restart from the counter 0",
+                stacklevel=2,
+            )
+            return
+        self.seed, self.counter = (int(v) for v in state.tolist())
+
+    # ------------------------------------------------------------------------------------ generate
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        first = self.counter
+        self.counter += len(prompts)
+        payloads = [
+            self._payload(p, sampling, request_seed(self.seed, first + i))
+            for i, p in enumerate(prompts)
+        ]
+        if len(payloads) == 1:
+            return [self._complete(payloads[0], sampling.n)]
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="rlvr-gen")
+        futures = [self.pool.submit(self._complete, p, sampling.n) for p in payloads]
+        return [f.result() for f in futures]
+
+    def _payload(
+        self, prompt: Sequence[int], sampling: SamplingParams, seed: int
+    ) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "prompt": [int(t) for t in prompt],
+            "n": sampling.n,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            # Explicit, or vLLM fills them from the model's generation_config.json (top_k 20...).
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "max_tokens": sampling.max_new_tokens,
+            "seed": seed,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        if sampling.stop:
+            payload["stop"] = list(sampling.stop)
+        if self.stop_token_ids:
+            payload["stop_token_ids"] = self.stop_token_ids
+        return payload
+
+    def _complete(self, payload: dict[str, Any], n: int) -> list[Completion]:
+        body = self._post("/v1/completions", payload).json()
+        choices = sorted(body.get("choices") or [], key=lambda c: int(c.get("index", 0)))
+        if len(choices) != n:
+            raise ServerError(
+                f"{self.root}/v1/completions returned {len(choices)} choices for n={n}"
+            )
+        return [self._completion(c) for c in choices]
+
+    def _completion(self, choice: dict[str, Any]) -> Completion:
+        where = f"{self.root}/v1/completions"
+        logprobs = choice.get("logprobs") or {}
+        ids = choice.get("token_ids")
+        if ids is None:
+            # Older vLLM has no return_token_ids, but --return-tokens-as-token-ids names the ids.
+            tokens = logprobs.get("tokens") or []
+            if tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+                ids = [int(t.split(":", 1)[1]) for t in tokens]
+            else:
+                raise ServerError(
+                    f"{where} returned no token ids: the server must honour the request field "
+                    "return_token_ids (vLLM >= 0.10.2) or run with --return-tokens-as-token-ids"
+                )
+        values = logprobs.get("token_logprobs")
+        if values is None or len(values) != len(ids) or any(v is None for v in values):
+            raise ServerError(
+                f"{where} returned no log-prob for every sampled token (logprobs=0 was asked)"
+            )
+        finish = choice.get("finish_reason")
+        if finish not in ("stop", "length"):
+            raise ServerError(f"{where} finished a sample with finish_reason={finish!r}")
+        return Completion(tuple(int(t) for t in ids), tuple(float(v) for v in values), finish)
+
+    # ----------------------------------------------------------------------------------------- HTTP
+    def _post(self, path: str, payload: dict[str, Any], hint: str = "") -> httpx.Response:
+        url = f"{self.root}{path}"
+        try:
+            response = self.client.post(url, json=payload)
+        except httpx.HTTPError as err:
+            raise ServerError(f"{url}: {type(err).__name__}: {err}") from None
+        if response.status_code >= 400:
+            raise ServerError(
+                f"{url}: HTTP {response.status_code}: {error_message(response)}{hint}"
+            )
+        return response
+
+    def _first_model(self) -> str:
+        url = f"{self.root}/v1/models"
+        try:
+            response = self.client.get(url)
+            response.raise_for_status()
+            return str(response.json()["data"][0]["id"])
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
+            raise ServerError(f"{url}: could not read the served model's name ({err})") from None
+
+    # --------------------------------------------------------------------------------- weight sync
+    def sync_weights(self, policy: Policy, step: int) -> None:
+        """Make the server sample from `policy`'s current weights (see the module docstring)."""
+        mode = resolve_weight_sync(self.weight_sync, policy)
+        if mode == "none":
+            return
+        if self.sync_dir is None:
+            raise ConfigError("generator.weight_sync needs a sync_dir the server can read")
+        previous = self._synced
+        if mode == "lora":
+            if not policy.lora:
+                raise ConfigError("generator.weight_sync lora needs a LoRA policy (model.lora)")
+            name = f"rlvr-step-{step}"
+            folder = write_folder(self.sync_dir / f"step-{step}", policy.model.save_pretrained)
+            self._post(
+                "/v1/load_lora_adapter",
+                {
+                    "lora_name": name,
+                    "lora_path": str(folder.resolve()),
+                    "load_inplace": name == self.model,
+                },
+                hint=" (vLLM needs --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+            )
+            self.model, self._synced = name, (name, folder)
+            if previous is not None and previous[0] and previous[0] != name:
+                self._post("/v1/unload_lora_adapter", {"lora_name": previous[0]})
+        else:
+            folder = write_folder(
+                self.sync_dir / f"full-step-{step}", lambda d: save_full(policy, d)
+            )
+            self._post(
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(folder.resolve())}},
+                hint=" (vLLM needs VLLM_SERVER_DEV_MODE=1 and a version whose reload_weights takes "
+                "weights_path)",
+            )
+            self._post("/reset_prefix_cache", {})  # cached KV blocks belong to the old weights
+            self._synced = ("", folder)
+        if previous is not None and previous[1] != folder:
+            shutil.rmtree(previous[1], ignore_errors=True)  # the server no longer reads it
+
+    # ---------------------------------------------------------------------------------------- close
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+        self.client.close()
+        if self.process is not None:
+            stop_process(self.process)
+            self.process = None
+
+    def __enter__(self) -> ServerGenerator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def error_message(response: httpx.Response) -> str:
+    """The one-line message of an error answer: OpenAI's {"error": {"message"}}, FastAPI's
+    {"detail"}, or the start of the body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip().splitlines()[0][:300] if response.text.strip() else ""
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        for key in ("message", "detail", "error"):
+            if key in body:
+                return str(body[key])
+    return str(body)[:300]
+
+
+def resolve_weight_sync(mode: str, policy: Policy) -> str:
+    if mode == "auto":
+        return "lora" if policy.lora else "full"
+    return mode
+
+
+def write_folder(target: Path, write: Callable[[str], Any]) -> Path:
+    """`write(tmp)` into a fresh temp folder beside `target`, then rename it to `target`: the server
+    never reads a half-written folder, and a resync of the same step replaces it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        write(str(tmp))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@torch.no_grad()
+def save_full(policy: Policy, folder: str) -> None:
+    """save_pretrained of the policy's full weights: a plain model as is, a LoRA policy merged
+    (W + scale * B @ A per adapted layer) without touching its own weights."""
+    model = policy.model
+    if not policy.lora:
+        model.save_pretrained(folder)
+        return
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    base = model.get_base_model()
+    merged: dict[str, torch.Tensor] = {}
+    for name, module in base.named_modules():
+        layer = module.get_base_layer() if isinstance(module, LoraLinear) else None
+        if isinstance(layer, torch.nn.Linear) and not module.disable_adapters:
+            weight = layer.weight
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+            merged[f"{name}.base_layer.weight"] = weight
+    state = {
+        key.replace(".base_layer", ""): merged.get(key, tensor).detach().cpu().contiguous()
+        for key, tensor in base.state_dict().items()
+        if "lora_" not in key
+    }
+    base.save_pretrained(folder, state_dict=state)
+
+
+# ---------------------------------------------------------------------------------------------- launch
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def launch_command(
+    cfg: GeneratorConfig,
+    model_path: str,
+    port: int,
+    *,
+    weight_sync: str = "none",
+    lora_rank: int | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment) starting the server `cfg.launch` names on 127.0.0.1:port."""
+    if cfg.launch == "rlvr":
+        argv = [sys.executable, "-m", "rlvr.cli", "serve", model_path]
+        return [*argv, "--host", "127.0.0.1", "--port", str(port), *cfg.launch_args], {}
+    if cfg.launch != "vllm":
+        raise ConfigError(f"generator.launch must be 'vllm' or 'rlvr', got {cfg.launch!r}")
+    vllm = shutil.which("vllm") or str(Path(sys.executable).with_name("vllm"))
+    argv = [vllm, "serve", model_path, "--host", "127.0.0.1", "--port", str(port)]
+    # Tempered log-probs (the trainer's); token ids in logprobs for servers without return_token_ids.
+    argv += ["--logprobs-mode", "processed_logprobs", "--return-tokens-as-token-ids"]
+    env: dict[str, str] = {}
+    if weight_sync == "lora":
+        rank = next((r for r in VLLM_LORA_RANKS if r >= (lora_rank or 16)), VLLM_LORA_RANKS[-1])
+        argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    elif weight_sync == "full":
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
+    return [*argv, *cfg.launch_args], env
+
+
+def launch_server(
+    cfg: GeneratorConfig,
+    model_path: str,
+    port: int = 0,
+    *,
+    weight_sync: str = "none",
+    lora_rank: int | None = None,
+    log_path: str | Path | None = None,
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start the server (port 0: a free one), wait until it answers, return (process, base URL
+    ending in /v1). Its output goes to `log_path` (default: a temp file), quoted when it dies."""
+    port = port or free_port()
+    argv, env = launch_command(cfg, model_path, port, weight_sync=weight_sync, lora_rank=lora_rank)
+    if log_path is None:
+        log_path = Path(tempfile.mkdtemp(prefix="rlvr-server-")) / "server.log"
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        try:
+            process = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                start_new_session=True,  # its own process group: vLLM's engine workers stop with it
+            )
+        except OSError as err:
+            raise ServerError(f"could not start {argv[0]}: {err}") from None
+    base_url = f"http://127.0.0.1:{port}/v1"
+    try:
+        wait_for_server(base_url, cfg.startup_timeout_s, process=process, log_path=log_path)
+    except BaseException:
+        stop_process(process)
+        raise
+    return process, base_url
+
+
+def wait_for_server(
+    base_url: str,
+    timeout_s: float,
+    *,
+    process: subprocess.Popen[bytes] | None = None,
+    log_path: str | Path | None = None,
+) -> None:
+    """Poll GET /health (then /v1/models) until 200; a dead process or the timeout is an error
+    quoting the end of the server's log."""
+    root = server_root(base_url)
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5.0, trust_env=False) as client:
+        while True:
+            if process is not None and process.poll() is not None:
+                raise ServerError(
+                    f"the generation server exited with code {process.returncode} before it was "
+                    f"ready{_log_tail(log_path)}"
+                )
+            for path in ("/health", "/v1/models"):
+                try:
+                    if client.get(f"{root}{path}").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"the generation server at {root} was not ready within {timeout_s:g} s "
+                    f"(generator.startup_timeout_s){_log_tail(log_path)}"
+                )
+            time.sleep(0.5)
+
+
+def _log_tail(log_path: str | Path | None, lines: int = 5) -> str:
+    if log_path is None or not Path(log_path).exists():
+        return ""
+    tail = Path(log_path).read_text(errors="replace").strip().splitlines()[-lines:]
+    return f"; log {log_path} ends: " + " | ".join(tail) if tail else ""
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """SIGTERM the server (it shuts its workers down), then SIGKILL its process group if it hangs."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the group start_new_session made for it
+        except (ProcessLookupError, PermissionError):
+            process.kill()
+        process.wait(timeout=timeout_s)
+
+
+# --------------------------------------------------------------------------------------------- build
+def build_server_generator(
+    policy: Policy,
+    cfg: GeneratorConfig | RunConfig,
+    run_dir: str | Path,
+    *,
+    seed: int | None = None,
+    model_path: str | None = None,
+    initial_sync: bool = True,
+) -> ServerGenerator:
+    """The generator `generator.backend: server` asks for: at `generator.url`, or a server launched
+    from `model_path` (default: the run's model.name, else the policy's source path). `cfg` is the
+    run's config (its seed is train.seed) or only its generator section. With `initial_sync` the
+    policy's weights are pushed at once as step 0 (the server may hold other weights)."""
+    if isinstance(cfg, RunConfig):
+        seed = cfg.train.seed if seed is None else seed
+        model_path = model_path or resolve_model_path(cfg.model.name)
+        cfg = cfg.generator
+    run_dir = Path(run_dir)
+    mode = resolve_weight_sync(cfg.weight_sync, policy)
+    base = policy.model.get_base_model() if policy.lora else policy.model
+    process = None
+    if cfg.url:
+        base_url = cfg.url
+    elif cfg.launch:
+        path = model_path or getattr(base.config, "_name_or_path", "")
+        if not path:
+            raise ConfigError(
+                "generator.launch: the policy's source path is unknown; pass model_path"
+            )
+        rank = policy.model.peft_config["default"].r if policy.lora else None
+        process, base_url = launch_server(
+            cfg, path, weight_sync=mode, lora_rank=rank, log_path=run_dir / "generator_server.log"
+        )
+    else:
+        raise ConfigError("generator.backend server needs generator.url or generator.launch")
+    try:
+        generator = ServerGenerator(
+            base_url,
+            seed=seed or 0,
+            max_concurrency=cfg.max_concurrency,
+            request_timeout_s=cfg.request_timeout_s,
+            weight_sync=mode,
+            sync_dir=cfg.sync_dir or run_dir / "weight_sync",
+            stop_token_ids=sorted(eos_token_ids(base, policy.tokenizer)),
+            process=process,
+        )
+    except BaseException:
+        if process is not None:
+            stop_process(process)
+        raise
+    if initial_sync:
+        try:
+            generator.sync_weights(policy, step=0)
+        except BaseException:
+            generator.close()
+            raise
+    return generator

@@ -1,0 +1,156 @@
+"""`rollout: external`: the user's agent (plain `openai` client) plays, rlvr trains on the recordings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlvr.config import load_config
+from rlvr.errors import ConfigError
+from rlvr.models import load_policy
+from rlvr.records import Task
+from rlvr.rollout.hf import HFGenerator
+from rlvr.serve.external import ExternalRollout, agent_parts
+from rlvr.train.loop import train
+from rlvr.train.sources import Sources
+from test_serve import teacher_forced_logprobs
+
+BYO = Path(__file__).resolve().parent.parent / "examples" / "byo_agent"
+
+AGENTS = """
+from openai import OpenAI
+
+def _ask(base_url, model, task, rollout_id):
+    client = OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    r = client.chat.completions.create(model=model, messages=list(task.messages), max_tokens=4,
+                                       metadata={"rollout_id": rollout_id})
+    return r.choices[0].message.content or ""
+
+def flaky(base_url, model, task, rollout_id):
+    _ask(base_url, model, task, rollout_id)
+    if rollout_id.split("-")[2] == "1":  # the second sample of every task
+        raise RuntimeError("tool backend down")
+    return {"digits": 1.0, "style": 0.5}
+
+def silent(task):
+    return 1.0
+
+def bad_return(base_url, model, task, rollout_id):
+    _ask(base_url, model, task, rollout_id)
+    return "great"
+"""
+
+
+@pytest.fixture()
+def byo_dir(tmp_path: Path) -> Path:
+    for name in ("tiny.yaml", "tiny_agent.py"):
+        shutil.copy(BYO / name, tmp_path / name)
+    (tmp_path / "agents.py").write_text(AGENTS)
+    return tmp_path
+
+
+def _external(byo_dir: Path, agent: str, tiny_model_dir: Path) -> tuple[ExternalRollout, Any]:
+    cfg = load_config(
+        byo_dir / "tiny.yaml",
+        [f"model.name={tiny_model_dir}", f"external.agent={byo_dir / 'agents.py'}:{agent}"],
+    )
+    policy = load_policy(str(tiny_model_dir))
+    generator = HFGenerator(
+        policy.model, policy.tokenizer, {policy.tokenizer.eos_token_id}, seed=0, autocast_bf16=False
+    )
+    return ExternalRollout(cfg, policy, generator, Sources(cfg, byo_dir), byo_dir), policy
+
+
+def test_agent_failures_are_counted_not_scored(byo_dir: Path, tiny_model_dir: Path) -> None:
+    tasks = [
+        Task(id=f"t{i}", messages=({"role": "user", "content": f"{i} + 1 ="},), source="main")
+        for i in range(2)
+    ]
+    ext, policy = _external(byo_dir, "flaky", tiny_model_dir)
+    try:
+        groups = ext.rollout(tasks, 3)
+        assert [len(g.trajectories) for g in groups] == [3, 3]
+        flat = [t for g in groups for t in g.trajectories]
+        failed = [t for t in flat if not t.usable]
+        assert len(failed) == 2 and all(
+            "tool backend down" in t.info["reward_errors"]["agent"] for t in failed
+        )
+        ok = [t for t in flat if t.usable]
+        assert all(t.rewards == {"digits": 1.0, "style": 0.5} and t.reward == 1.5 for t in ok)
+        assert ext.last_metrics["external/agent_errors"] == 2.0
+        # The trained sequence is the recorded one: the policy's log-probs of its sampled tokens.
+        t = ok[0]
+        forced = teacher_forced_logprobs(policy.model, t.token_ids)
+        sampled = [i for i, m in enumerate(t.policy_mask) if m]
+        assert sampled and sampled[0] == t.prompt_length
+        for i in sampled:
+            assert forced[i - 1] == pytest.approx(t.logprobs[i], abs=1e-4)
+    finally:
+        ext.close()
+    ext, _ = _external(byo_dir, "silent", tiny_model_dir)
+    try:
+        (group,) = ext.rollout(tasks[:1], 2)
+        assert all(
+            "no request under rollout id" in t.info["reward_errors"]["agent"]
+            for t in group.trajectories
+        )
+    finally:
+        ext.close()
+    ext, _ = _external(byo_dir, "bad_return", tiny_model_dir)
+    try:
+        (group,) = ext.rollout(tasks[:1], 1)
+        assert (
+            "expected None, a number or a dict"
+            in group.trajectories[0].info["reward_errors"]["agent"]
+        )
+    finally:
+        ext.close()
+
+
+def test_agent_parts() -> None:
+    assert agent_parts(None) == {}
+    assert agent_parts(0.5) == {"agent": 0.5}
+    assert agent_parts({"a": 1}) == {"a": 1.0}
+    with pytest.raises(ValueError, match="'a'"):
+        agent_parts({"a": float("nan")})
+
+
+def test_external_config_errors() -> None:
+    with pytest.raises(ConfigError, match=r"external\.agent"):
+        load_config(None, ["rollout=external"])
+    cfg = load_config(None, ["rollout=external", "external.agent=a.py:f", "rewards=[]"])
+    assert cfg.rollout.mode == "external" and cfg.rollout.max_turns is None
+
+
+@pytest.mark.slow
+def test_external_rollouts_improve_the_reward(
+    byo_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """examples/byo_agent/tiny.yaml: a two-turn agent with its own reward (share of digits), trained
+    through the endpoint. Fixed seed; the reward must rise by a clear margin."""
+    cfg = load_config(
+        byo_dir / "tiny.yaml",
+        [
+            f"model.name={tiny_model_dir}",
+            f"output_dir={tmp_path / 'run'}",
+            "tracking.progress=false",
+        ],
+    )
+    summary = train(cfg, config_dir=byo_dir)
+    assert summary.steps_done == cfg.train.steps
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = [r for r in rows if "reward" in r and "event" not in r]
+    first = sum(r["reward"] for r in steps[:5]) / 5
+    last = sum(r["reward"] for r in steps[-5:]) / 5
+    assert last > first + 0.2, (first, last)
+    assert all(
+        r["external/agent_errors"] == 0 and r["external/requests_per_rollout"] == 2 for r in steps
+    )
+    (_, before), *_, (_, after) = summary.eval_history
+    assert after["eval/accuracy"] > before["eval/accuracy"] + 0.15

@@ -1,0 +1,295 @@
+"""ServerGenerator (rlvr.rollout.server) against rlvr serve's vLLM protocol (rlvr.serve.completions),
+on loopback with the tiny random model: exact agreement with the in-process HFGenerator, stop and
+length endings, full and LoRA weight sync, 400s for bad input, and the error for a server that
+returns no token ids."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from fastapi import FastAPI
+
+from rlvr.config import GeneratorConfig, ModelConfig, RunConfig
+from rlvr.models import LoraSettings, Policy, load_policy
+from rlvr.rollout.generator import SamplingParams
+from rlvr.rollout.hf import HFGenerator
+from rlvr.rollout.server import (
+    ServerError,
+    ServerGenerator,
+    build_server_generator,
+    launch_command,
+    request_seed,
+    wait_for_server,
+)
+from rlvr.serve.app import create_app
+from rlvr.serve.runner import BackgroundServer, serve_state
+from rlvr.serve.state import ServeState
+
+PROMPTS = [[2, 40, 41, 42, 43], [2, 50, 51], [2, 60, 61, 62, 63, 64, 65]]
+
+
+class Served:
+    """A loopback rlvr serve over a fresh copy of the tiny model."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.state: ServeState = serve_state(load_policy(str(model_dir)), "tiny")
+        self.server = BackgroundServer(create_app(self.state)).start()
+        self.url = self.server.base_url
+
+    def post(self, path: str, body: Any) -> httpx.Response:
+        root = self.url.removesuffix("/v1")
+        return httpx.post(f"{root}{path}", json=body, timeout=60, trust_env=False)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path) -> Iterator[Served]:
+    s = Served(tiny_model_dir)
+    yield s
+    s.server.stop()
+
+
+@pytest.fixture()
+def fresh(tiny_model_dir: Path) -> Iterator[Served]:
+    """A server of its own, for tests that change its weights."""
+    s = Served(tiny_model_dir)
+    yield s
+    s.server.stop()
+
+
+def forward_logprobs(
+    model: Any, prompt: Sequence[int], completion: Sequence[int], temperature: float
+) -> torch.Tensor:
+    """Log-probs of `completion` after `prompt` from one plain forward at `temperature`."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[*prompt, *completion]])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return torch.stack([logp[len(prompt) - 1 + j, t] for j, t in enumerate(completion)])
+
+
+def assert_logprobs_match(
+    model: Any, gen: ServerGenerator, sampling: SamplingParams, prompts: list[list[int]]
+) -> None:
+    for prompt, completions in zip(prompts, gen.generate(prompts, sampling), strict=True):
+        for c in completions:
+            expected = forward_logprobs(model, prompt, c.token_ids, sampling.temperature)
+            assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-4)
+
+
+def test_same_tokens_and_logprobs_as_in_process(served: Served) -> None:
+    sampling = SamplingParams(n=3, temperature=0.8, max_new_tokens=10)
+    gen = ServerGenerator(served.url, seed=7, max_concurrency=3)
+    assert gen.model == "tiny"  # read from /v1/models
+    saved = gen.get_state()
+    out = gen.generate(PROMPTS, sampling)
+    state = served.state
+    for i, (prompt, completions) in enumerate(zip(PROMPTS, out, strict=True)):
+        reference = HFGenerator(
+            state.model,
+            state.tokenizer,
+            set(state.generator.eos_token_ids),
+            seed=request_seed(7, i),
+            autocast_bf16=False,
+        )
+        with state.lock:
+            expected = reference.generate([prompt], sampling)[0]
+        assert completions == expected  # token ids, log-probs and finish reasons, exactly
+    # The seed counter is the generator's state: restoring it replays the same samples.
+    assert gen.generate(PROMPTS, sampling) != out
+    gen.set_state(saved)
+    assert gen.generate(PROMPTS, sampling) == out
+    gen.close()
+
+
+def test_stop_string_and_max_tokens(served: Served) -> None:
+    tok = served.state.tokenizer
+    request = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 24, "seed": 3,
+               "temperature": 1.0, "return_token_ids": True, "logprobs": 0}  # fmt: skip
+    full = served.post("/v1/completions", request).json()["choices"][0]
+    ids = full["token_ids"]
+    special = set(tok.all_special_ids)
+    # A stop string: the first sampled character not seen before it (character-level vocabulary).
+    j = next(
+        j for j in range(1, len(ids))
+        if ids[j] not in special and tok.decode([ids[j]]) not in tok.decode(ids[:j])
+    )  # fmt: skip
+    stop = tok.decode([ids[j]])
+    cut = served.post("/v1/completions", {**request, "stop": [stop]}).json()["choices"][0]
+    assert cut["token_ids"] == ids[: j + 1]  # the ids keep the token that completed the stop
+    assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+    assert cut["text"] == tok.decode(ids[:j], skip_special_tokens=True)  # the text does not
+    assert cut["logprobs"]["token_logprobs"] == full["logprobs"]["token_logprobs"][: j + 1]
+
+    gen = ServerGenerator(served.url, "tiny", seed=1)
+    (c,) = gen.generate([PROMPTS[1]], SamplingParams(n=1, max_new_tokens=3))[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 3
+    stopped = gen.generate([PROMPTS[0]] * 4, SamplingParams(n=2, max_new_tokens=24, stop=(stop,)))
+    eos = set(served.state.generator.eos_token_ids)
+    for c in (c for cs in stopped for c in cs):
+        text = tok.decode(list(c.token_ids), skip_special_tokens=True)
+        assert (c.finish_reason == "stop") == (stop in text or c.token_ids[-1] in eos)
+    gen.close()
+
+
+def test_text_prompt_top_logprobs_and_usage(served: Served) -> None:
+    body = served.post(
+        "/v1/completions",
+        {"model": "tiny", "prompt": ["hi", "yo!"], "n": 2, "max_tokens": 4, "logprobs": 2,
+         "seed": 0, "return_tokens_as_token_ids": True, "return_token_ids": True},
+    ).json()  # fmt: skip
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["choices"][2]["prompt_token_ids"] == served.state.tokenizer.encode("yo!")
+    for c in body["choices"]:
+        lp = c["logprobs"]
+        assert lp["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+        for token, value, top in zip(
+            lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True
+        ):
+            assert next(iter(top)) == token and top[token] == value and 2 <= len(top) <= 3
+            assert max(top.values()) >= value - 1e-6
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == 5
+    assert usage["completion_tokens"] == sum(len(c["token_ids"]) for c in body["choices"])
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_full_weight_sync(fresh: Served, tiny_model_dir: Path, tmp_path: Path, lora: bool) -> None:
+    # A LoRA learner synced in full sends its merged weights; the server's own stay plain.
+    learner = load_policy(str(tiny_model_dir), lora=LoraSettings(r=4) if lora else None)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in learner.model.named_parameters():
+            if not lora or "lora_B" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    learner.model.eval()
+    gen = ServerGenerator(fresh.url, "tiny", weight_sync="full", sync_dir=tmp_path)
+    sampling = SamplingParams(n=2, temperature=0.7, max_new_tokens=8)
+    (before,) = gen.generate(PROMPTS[:1], sampling)[0][:1]
+    moved = forward_logprobs(learner.model, PROMPTS[0], before.token_ids, 0.7)
+    assert not torch.allclose(torch.tensor(before.logprobs), moved, atol=1e-3)  # really different
+
+    gen.sync_weights(learner, step=1)
+    assert fresh.state.weights_version == 1 and not fresh.state.adapters
+    assert_logprobs_match(learner.model, gen, sampling, PROMPTS)
+    gen.sync_weights(learner, step=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full-step-2"]  # the old copy went
+    gen.close()
+
+
+def test_build_from_run_config(fresh: Served, tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = RunConfig(
+        model=ModelConfig(name=str(tiny_model_dir)),
+        generator=GeneratorConfig(backend="server", url=fresh.url, max_concurrency=2),
+    )
+    policy = load_policy(str(tiny_model_dir))
+    gen = build_server_generator(policy, cfg, tmp_path)
+    assert fresh.state.weights_version == 1  # auto = full for full fine-tuning, pushed as step 0
+    assert (tmp_path / "weight_sync" / "full-step-0").is_dir()
+    assert gen.stop_token_ids == sorted(fresh.state.generator.eos_token_ids)
+    assert_logprobs_match(policy.model, gen, SamplingParams(n=2, max_new_tokens=6), PROMPTS)
+    gen.close()
+
+
+def test_lora_weight_sync(fresh: Served, tiny_model_dir: Path, tmp_path: Path) -> None:
+    learner = load_policy(str(tiny_model_dir), lora=LoraSettings(r=4))
+
+    def perturb(policy: Policy, seed: int) -> None:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for name, p in policy.model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.3 * torch.randn_like(p))  # B starts at zero: nothing would change
+
+    gen = ServerGenerator(fresh.url, "tiny", weight_sync="auto", sync_dir=tmp_path)
+    sampling = SamplingParams(n=2, temperature=0.9, max_new_tokens=8)
+    learner.model.eval()
+    for step in (1, 2):
+        perturb(learner, step)
+        gen.sync_weights(learner, step=step)
+        assert gen.model == f"rlvr-step-{step}"
+        assert list(fresh.state.adapters) == [gen.model]  # the previous adapter was unloaded
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{step}"]
+        assert_logprobs_match(learner.model, gen, sampling, PROMPTS)
+    # The base name still serves the base weights (adapters off), here and for the chat batcher.
+    gen.model = "tiny"
+    with learner.reference() as reference:
+        assert_logprobs_match(reference, gen, sampling, PROMPTS[:1])
+    names = [m["id"] for m in httpx.get(f"{fresh.url}/models", trust_env=False).json()["data"]]
+    assert names == ["tiny", "rlvr-step-2"]
+    assert fresh.post("/v1/unload_lora_adapter", {"lora_name": "rlvr-step-2"}).status_code == 200
+    assert fresh.state.adapters == {} and type(fresh.state.model).__name__ == "LlamaForCausalLM"
+    with learner.reference() as reference:
+        assert_logprobs_match(reference, gen, sampling, PROMPTS[:1])
+    gen.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"model": "nope", "prompt": [1, 2]}, "model"),
+        ("/v1/completions", {"model": "tiny", "prompt": []}, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": [[1, 2], []]}, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1, 10**6]}, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "n": 0}, None),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "temperature": -1}, None),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "top_k": 5}, "top_k"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "stream": True}, "stream"),
+        ("/v1/completions", {"model": "tiny", "prompt": [1], "max_tokens": "x"}, "max_tokens"),
+        ("/v1/completions", [1, 2], None),
+        ("/v1/load_lora_adapter", {"lora_name": "a"}, "lora_name"),
+        ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/nonexistent"}, "lora_path"),
+        ("/v1/unload_lora_adapter", {"lora_name": "never-loaded"}, "lora_name"),
+        ("/collective_rpc", {"method": "sleep"}, "method"),
+        ("/collective_rpc", {"method": "reload_weights", "kwargs": {}}, "kwargs"),
+    ],
+)
+def test_bad_input_is_a_400_with_one_line(
+    served: Served, path: str, body: Any, param: str | None
+) -> None:
+    response = served.post(path, body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"] and "\n" not in error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_server_without_token_ids_is_a_clear_error() -> None:
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    def completions() -> dict[str, Any]:  # an OpenAI server that knows nothing of token ids
+        logprobs = {"tokens": ["a", "b"], "token_logprobs": [-1.0, -2.0], "top_logprobs": None}
+        return {
+            "choices": [{"index": 0, "text": "ab", "finish_reason": "length", "logprobs": logprobs}]
+        }
+
+    with BackgroundServer(app) as server:
+        gen = ServerGenerator(server.base_url, "m")
+        with pytest.raises(ServerError, match=r"return_token_ids .*--return-tokens-as-token-ids"):
+            gen.generate([[1, 2]], SamplingParams())
+        gen.close()
+
+
+def test_launch_command_and_a_server_that_dies() -> None:
+    cfg = GeneratorConfig(backend="server", launch="vllm", launch_args=["--dtype", "float32"])
+    argv, env = launch_command(cfg, "/models/m", 8123, weight_sync="lora", lora_rank=4)
+    assert argv[1:6] == ["serve", "/models/m", "--host", "127.0.0.1", "--port"]
+    for flag in ("--enable-lora", "--return-tokens-as-token-ids", "processed_logprobs"):
+        assert flag in argv
+    assert argv[argv.index("--max-lora-rank") + 1] == "8" and argv[-2:] == ["--dtype", "float32"]
+    assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    _, env = launch_command(cfg, "/models/m", 8123, weight_sync="full")
+    assert env == {"VLLM_SERVER_DEV_MODE": "1"}
+    argv, _ = launch_command(cfg.model_copy(update={"launch": "rlvr"}), "m", 8123)
+    assert argv[1:6] == ["-m", "rlvr.cli", "serve", "m", "--host"]
+
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(ServerError, match="exited with code 3"):
+        wait_for_server("http://127.0.0.1:9/v1", 30, process=dead)
