@@ -76,7 +76,8 @@ def train(
     from rlvr.train.loop import train as run_training
 
     summary = run_training(cfg, resume=resume is not None, config_dir=config_dir)
-    _print_summary(summary, cfg.tracking.project if cfg.tracking.trackio else None)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+        _print_summary(summary, cfg.tracking.project if cfg.tracking.trackio else None)
 
 
 def _print_summary(summary: object, trackio_project: str | None) -> None:

@@ -97,8 +97,13 @@ def collate(
     )
 
 
-def autocast_context(enabled: bool) -> contextlib.AbstractContextManager[Any]:
-    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+def autocast_context(
+    enabled: bool, device_type: str = "cpu"
+) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast on `device_type` ("cpu", or "cuda" under torchrun on GPUs) when `enabled`."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.bfloat16)
 
 
 def token_logprobs(
@@ -152,7 +157,7 @@ def token_distributions(
     checkpointing = model.training and _activation_checkpointing(model)
     shared = share_prefix and not checkpointing
     head_V_H = fusable_head(model) if fused and not with_full and not bf16 else None
-    with autocast_context(bf16):
+    with autocast_context(bf16, batch.completion_ids_B_C.device.type):
         if shared:
             pieces = _shared_prefix_outputs(model, batch, hidden=head_V_H is not None)
         else:
@@ -272,7 +277,10 @@ def _shared_prefix_outputs(model: Any, batch: TrainBatch, hidden: bool) -> list[
     # The last completion token predicts nothing that is scored: it is not fed.
     width = batch.completion_width - 1
     attention = torch.cat([prompt_mask_B_Lp, batch.completion_mask_B_C[:, :width]], dim=1)
-    positions = prompt_mask_B_Lp.sum(dim=1, keepdim=True) + torch.arange(width)[None, :]
+    positions = (
+        prompt_mask_B_Lp.sum(dim=1, keepdim=True)
+        + torch.arange(width, device=prompt_mask_B_Lp.device)[None, :]
+    )
     out_c = _run(
         model,
         hidden,

@@ -144,7 +144,6 @@ def train(
         dist.prepare_policy(policy)  # ddp: identical start on every rank; fsdp: shard
     optimizer, scheduler = build_optimizer(policy, cfg)
     is_main = dist is None or dist.is_main
-    dist_kw: dict[str, Any] = {} if dist is None else {"dist": dist}  # TEMP until update.py has it
     spec = ALGORITHMS[cfg.algorithm]
     # ppo's value model and distill's teacher: built only for the algorithms that use them.
     critic = RunCritic(cfg, int(tokenizer.pad_token_id)) if spec.needs_critic else None
@@ -236,7 +235,7 @@ def train(
             t_rollout = time.time() - t0
             # 2. advantages over the rollouts that scored, then per-token credit; KL in the reward
             #    needs the reference's log-probs first, ppo the critic's values
-            ref_logprobs = reference_logprobs(policy, trajectories, cfg)
+            ref_logprobs = reference_logprobs(policy, trajectories, cfg, dist=dist)
             values = critic.token_values(trajectories) if critic is not None else None
             credit = assign_credit(
                 trajectories, cfg, spec.advantage, ref_logprobs=ref_logprobs, values=values
@@ -249,7 +248,7 @@ def train(
             if critic is None or step > cfg.critic.warmup_steps:
                 update.update(
                     policy_update(
-                        policy, optimizer, trajectories, token_adv, cfg, teacher=teacher, **dist_kw
+                        policy, optimizer, trajectories, token_adv, cfg, teacher=teacher, dist=dist
                     )
                 )
                 plan.after_update(step)  # the samplers get the new weights

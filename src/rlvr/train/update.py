@@ -89,11 +89,13 @@ def per_token_scores(
     usable = [i for i, t in enumerate(trajectories) if t.usable]
     plan = RankPlan.make(trajectories, usable, cfg.train.micro_batch_size, dist)
     zeros = [[0.0] * (len(t.token_ids) - t.prompt_length) for t in trajectories]
+    device = dist.device if dist is not None else None
     with torch.no_grad():
         for chunk in plan.chunks:
-            device = dist.device if dist is not None else None
             scores_B_C = score(plan.collate(trajectories, zeros, pad_token_id, chunk, device))
-            for row, i in enumerate(chunk if chunk is not plan.padding else []):
+            if chunk is plan.padding:
+                continue  # fsdp lock-step forward (RankPlan): its scores are not this rank's rows
+            for row, i in enumerate(chunk):
                 out[i] = scores_B_C[row, : len(out[i])].tolist()
     if dist is None:
         return out
