@@ -33,7 +33,7 @@ from typing import Any
 from rlvr.config import RunConfig
 from rlvr.errors import ConfigError
 from rlvr.models import Policy
-from rlvr.records import Group, Span, Task, Trajectory
+from rlvr.records import FinishReason, Group, Span, Task, Trajectory
 from rlvr.rollout.hf import HFGenerator
 from rlvr.serve.app import create_app
 from rlvr.serve.recorder import RecordedRollout, Recorder
@@ -90,8 +90,12 @@ def agent_parts(result: Any) -> dict[str, float]:
 def trajectory_from_recording(task: Task, rollout: RecordedRollout, tokenizer: Any) -> Trajectory:
     """The last segment of a recorded rollout as an unscored Trajectory."""
     seg = rollout.segments[-1]
-    last_reply = next((m for m in reversed(seg.messages) if m.get("role") == "assistant"), {})
-    finish = "length" if seg.finish_reasons and seg.finish_reasons[-1] == "length" else "stop"
+    last_reply: dict[str, Any] = next(
+        (m for m in reversed(seg.messages) if m.get("role") == "assistant"), {}
+    )
+    finish: FinishReason = (
+        "length" if seg.finish_reasons and seg.finish_reasons[-1] == "length" else "stop"
+    )
     return Trajectory(
         task_id=task.id,
         token_ids=tuple(seg.token_ids),
