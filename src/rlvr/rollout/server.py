@@ -1,5 +1,8 @@
 """Generation on an OpenAI-compatible server (`vllm serve`, or `rlvr serve` speaking the same protocol).
 
+Longer than our ~500-line guide on purpose: client, launcher and weight sync each follow one
+server's rules (vLLM's flags and endpoints); kept together so a vLLM change is met in one file.
+
 `ServerGenerator` is a Generator (rollout/generator.py) over HTTP: one POST /v1/completions per prompt,
 its n samples in one request, up to `max_concurrency` requests in flight. Prompts go as token ids and
 the sampled ids come back exactly (`return_token_ids`), so nothing is re-tokenized; the log-probs are

@@ -1,5 +1,8 @@
 """vLLM's token-id protocol on `rlvr serve`: /v1/completions, runtime LoRA adapters, weight reloads.
 
+Longer than our ~500-line guide on purpose: the protocol as read from vLLM (below) sits beside the
+code that answers it, so a change to one is checked against the other.
+
 A trainer sampling on a server (rlvr.rollout.server.ServerGenerator) sends the same requests to
 `vllm serve` and to `rlvr serve`; this router answers them from the HF model of `ServeState`.
 
