@@ -172,6 +172,36 @@ def test_tool_calls_round_trip_and_recording(policy: Policy) -> None:
     assert seg["finish_reasons"] == ["tool_calls", "stop"]
 
 
+def test_streaming_clients_get_the_reply_in_chunks(policy: Policy) -> None:
+    """Agent frameworks that always stream: the same reply, tool calls included, as chunks."""
+    state = serve_state(policy, "tiny")
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 2"}}\n</tool_call>'
+    state.generator = ScriptedGenerator(policy.tokenizer, [call, "It is 4."])  # type: ignore[assignment]
+    with BackgroundServer(create_app(state)) as srv:
+        c = client(srv)
+        question = [{"role": "user", "content": "2 + 2?"}]
+        chunks = list(
+            c.chat.completions.create(
+                model="tiny", messages=question, tools=[CALCULATOR], stream=True,  # type: ignore[arg-type, list-item]
+                metadata={"rollout_id": "r-stream"}, logprobs=True,
+                stream_options={"include_usage": True},
+            )
+        )  # fmt: skip
+        calls = [
+            tc for ch in chunks for choice in ch.choices for tc in choice.delta.tool_calls or ()
+        ]
+        assert [tc.function.name for tc in calls] == ["calculator"]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+        text = "".join(
+            ch.choices[0].delta.content or "" for ch in list(c.chat.completions.create(
+                model="tiny", messages=question, stream=True, max_tokens=8,  # type: ignore[arg-type]
+            )) if ch.choices
+        )  # fmt: skip
+        assert text == "It is 4."
+        assert httpx.get(f"{srv.base_url}/rollouts/r-stream").json()["requests"] == 1
+
+
 def test_recorded_rollout_equals_what_was_sampled(server: BackgroundServer, policy: Policy) -> None:
     c = client(server)
     messages: list[dict[str, object]] = [{"role": "user", "content": "Count to three."}]

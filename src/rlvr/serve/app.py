@@ -9,6 +9,7 @@ Tool calls: the request's `tools` reach the model through the chat template (or,
 ignore `tools=`, written into the system message: rollout/chat.py); a reply holding Hermes
 `<tool_call>{...}</tool_call>` blocks is returned as OpenAI `tool_calls` with finish_reason
 "tool_calls". Log-probs are those of the temperature-scaled distribution, the ones the trainer uses.
+`stream: true` is answered in OpenAI's chunk format once the reply is sampled (not token by token).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.envs.tools import parse_tool_calls
@@ -247,9 +249,7 @@ def create_app(state: ServeState, record_dir: str | Path | None = None) -> FastA
         }
 
     @app.post("/v1/chat/completions")
-    def chat_completions(request: ChatRequest, http: Request) -> dict[str, Any]:
-        if request.stream:
-            raise InvalidRequest("stream: streaming is not supported by rlvr serve", "stream")
+    def chat_completions(request: ChatRequest, http: Request) -> Any:
         if request.model not in (state.model_name, *state.adapters):
             raise InvalidRequest(
                 f"model '{request.model}' is not served here (served: {state.model_name})", "model"
@@ -311,6 +311,8 @@ def create_app(state: ServeState, record_dir: str | Path | None = None) -> FastA
         }
         if request.return_token_ids:
             response["prompt_token_ids"] = prompt_ids
+        if request.stream:
+            return StreamingResponse(_sse_chunks(response, request), media_type="text/event-stream")
         return response
 
     @app.get("/v1/rollouts/{rollout_id}")
@@ -327,6 +329,30 @@ def create_app(state: ServeState, record_dir: str | Path | None = None) -> FastA
     except ImportError:
         pass
     return app
+
+
+def _sse_chunks(response: dict[str, Any], request: ChatRequest) -> Iterator[str]:
+    """`stream: true`, for clients and agent frameworks that always stream: the reply is sampled
+    whole (recording needs the finished turn), then sent as OpenAI's chunk sequence: one delta per
+    choice with the whole content (and tool calls), a closing chunk with the finish reason, the usage
+    when `stream_options.include_usage`, then [DONE]."""
+    head = {k: response[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+    for choice in response["choices"]:
+        message = choice["message"]
+        delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+        first: dict[str, Any] = {"index": choice["index"], "delta": delta, "finish_reason": None}
+        if "logprobs" in choice:
+            first["logprobs"] = choice["logprobs"]
+        yield f"data: {json.dumps({**head, 'choices': [first]})}\n\n"
+        last = {"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}
+        yield f"data: {json.dumps({**head, 'choices': [last]})}\n\n"
+    options = getattr(request, "stream_options", None) or {}
+    if isinstance(options, dict) and options.get("include_usage"):
+        yield f"data: {json.dumps({**head, 'choices': [], 'usage': response['usage']})}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 def rollout_json(rollout: RecordedRollout) -> dict[str, Any]:
