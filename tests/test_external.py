@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,55 @@ def test_agent_failures_are_counted_not_scored(byo_dir: Path, tiny_model_dir: Pa
         ext.close()
 
 
+COMMAND_AGENT = """
+import json, os, sys
+from openai import OpenAI
+
+task = json.loads(os.environ["RLVR_TASK"])
+if task["id"].endswith("1"):
+    print("no model for this one", file=sys.stderr)
+    sys.exit(3)
+client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from the environment, nothing else
+reply = client.chat.completions.create(model=os.environ["RLVR_MODEL"], messages=task["messages"], max_tokens=3)
+print("some log line")
+print(json.dumps({"answered": 1.0}))
+"""
+
+
+def test_a_command_agent_is_recorded_through_its_api_key(
+    byo_dir: Path, tiny_model_dir: Path
+) -> None:
+    """external.command: a program that only reads OPENAI_BASE_URL / OPENAI_API_KEY is recorded
+    under its rollout id (the key carries it); its printed JSON is its reward; a failing exit is an
+    agent error with the program's stderr."""
+    (byo_dir / "command_agent.py").write_text(COMMAND_AGENT)
+    cfg = load_config(
+        byo_dir / "tiny.yaml",
+        [
+            f"model.name={tiny_model_dir}",
+            "external.agent=null",
+            f"external.command={sys.executable} command_agent.py",
+        ],
+    )
+    policy = load_policy(str(tiny_model_dir))
+    generator = HFGenerator(
+        policy.model, policy.tokenizer, {policy.tokenizer.eos_token_id}, seed=0, autocast_bf16=False
+    )
+    ext = ExternalRollout(cfg, policy, generator, Sources(cfg, byo_dir), byo_dir)
+    tasks = [
+        Task(id=f"t{i}", messages=({"role": "user", "content": f"{i} + 1 ="},), source="main")
+        for i in range(2)
+    ]
+    try:
+        ok_group, bad_group = ext.rollout(tasks, 2)
+    finally:
+        ext.close()
+    for t in ok_group.trajectories:
+        assert t.usable and t.rewards == {"answered": 1.0} and sum(t.policy_mask) > 0
+    for t in bad_group.trajectories:
+        assert "exited with 3: no model for this one" in t.info["reward_errors"]["agent"]
+
+
 def test_agent_parts() -> None:
     assert agent_parts(None) == {}
     assert agent_parts(0.5) == {"agent": 0.5}
@@ -120,7 +170,7 @@ def test_agent_parts() -> None:
 
 
 def test_external_config_errors() -> None:
-    with pytest.raises(ConfigError, match=r"external\.agent"):
+    with pytest.raises(ConfigError, match=r"exactly one of external\.agent"):
         load_config(None, ["rollout=external"])
     cfg = load_config(None, ["rollout=external", "external.agent=a.py:f", "rewards=[]"])
     assert cfg.rollout.mode == "external" and cfg.rollout.max_turns is None

@@ -208,6 +208,14 @@ class ExternalConfig(_Section):
         "task=, rollout_id=) for each of G rollouts of each task; returns None, a reward (float) or "
         "a dict of named reward parts, logged and added to the rubric's.",
     )
+    command: str | list[str] | None = Field(
+        None,
+        description="Instead of `agent`: a program run once per rollout (any language), from the "
+        "config's folder, with OPENAI_BASE_URL and OPENAI_API_KEY=rlvr-rollout-<id> set (an "
+        "unmodified OpenAI client is then recorded under its rollout id), RLVR_ROLLOUT_ID, "
+        "RLVR_MODEL and RLVR_TASK (JSON: id, messages, fields). Its last stdout line, when it is "
+        "JSON (a number or an object of numbers), is its reward parts; a non-zero exit is an error.",
+    )
     concurrency: int = Field(16, ge=1, description="Agent calls running at once (threads).")
     timeout_s: float = Field(600.0, gt=0.0, description="Wall-clock limit for one agent call.")
     host: str = Field("127.0.0.1", description="Where the in-run server listens.")
@@ -757,8 +765,13 @@ class RunConfig(_Section):
             raise ValueError(
                 "algorithm 'distill' needs distill.teacher (a model alias or directory)"
             )
-        if self.rollout.mode == "external" and self.external.agent is None:
-            raise ValueError("rollout: external needs external.agent ('file.py:function')")
+        if self.rollout.mode == "external" and (self.external.agent is None) == (
+            self.external.command is None
+        ):
+            raise ValueError(
+                "rollout: external needs exactly one of external.agent ('file.py:function') and "
+                "external.command (a program)"
+            )
         gen = self.generator
         if gen.backend == "server" and (gen.url is None) == (gen.launch is None):
             raise ValueError(

@@ -74,9 +74,18 @@ def error_body(message: str, param: str | None = None) -> dict[str, Any]:
     }
 
 
+ROLLOUT_KEY_PREFIX = "rlvr-rollout-"
+
+
 def rollout_id_of(request: ChatRequest, headers: Any) -> str | None:
+    """The client's rollout id: body `rollout_id`, `metadata.rollout_id`, an X-Rollout-Id header, or
+    an API key `rlvr-rollout-<id>` (so an agent that only reads OPENAI_API_KEY is recorded too)."""
     rid = request.rollout_id or (request.metadata or {}).get("rollout_id")
-    return str(rid or headers.get("x-rollout-id") or "") or None
+    rid = rid or headers.get("x-rollout-id")
+    auth = str(headers.get("authorization") or "")
+    if not rid and auth.startswith(f"Bearer {ROLLOUT_KEY_PREFIX}"):
+        rid = auth[len(f"Bearer {ROLLOUT_KEY_PREFIX}") :]
+    return str(rid or "") or None
 
 
 def sampling_of(request: ChatRequest, state: ServeState) -> SamplingParams:

@@ -5,6 +5,9 @@ Each step, for every task and each of its G samples, the agent function is calle
 as `agent(base_url=, model=, task=, rollout_id=)` (it may take any subset of these keywords). It talks
 to the in-run server (serve/app.py) with any OpenAI client, passing `rollout_id` (e.g.
 `metadata={"rollout_id": rollout_id}`), and returns None, a reward, or a dict of named reward parts.
+Or `external.command` names a program (any language) run once per rollout with OPENAI_BASE_URL and
+OPENAI_API_KEY=rlvr-rollout-<id> in its environment: an agent that builds its client from those
+variables is recorded with no change at all.
 The server samples from the policy being trained, under the run's temperature, and records every
 exchange token for token; when all agents of the step have returned, each rollout's recording becomes
 one `Trajectory` (its policy tokens, behaviour log-probs, observation tokens masked) scored by the
@@ -21,8 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
+import os
+import shlex
 import statistics
+import subprocess
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +42,7 @@ from rlvr.errors import ConfigError
 from rlvr.models import Policy
 from rlvr.records import FinishReason, Group, Span, Task, Trajectory
 from rlvr.rollout.hf import HFGenerator
-from rlvr.serve.app import create_app
+from rlvr.serve.app import ROLLOUT_KEY_PREFIX, create_app
 from rlvr.serve.recorder import RecordedRollout, Recorder
 from rlvr.serve.runner import BackgroundServer, serve_state
 from rlvr.train.sources import Sources
@@ -62,6 +69,41 @@ def _call_agent(agent: AgentFn, **kwargs: Any) -> Any:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return agent(**kwargs)
     return agent(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def command_agent(command: str | list[str], cwd: Path | None, timeout_s: float) -> AgentFn:
+    """`external.command` as an agent function: the program runs once per rollout with the endpoint,
+    its rollout id and the task in its environment (see ExternalConfig.command); returns its reward
+    parts (the last stdout line, when JSON) or None. A non-zero exit raises with its stderr's end."""
+    argv = shlex.split(command) if isinstance(command, str) else list(command)
+
+    def run(base_url: str, model: str, task: Task, rollout_id: str) -> Any:
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": f"{ROLLOUT_KEY_PREFIX}{rollout_id}",
+            "RLVR_ROLLOUT_ID": rollout_id,
+            "RLVR_MODEL": model,
+            "RLVR_TASK": json.dumps(
+                {"id": task.id, "messages": list(task.messages), "fields": dict(task.fields)},
+                default=str,
+            ),
+        }
+        done = subprocess.run(
+            argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+        if done.returncode != 0:
+            tail = " ".join(done.stderr.strip().splitlines()[-3:])[-300:]
+            raise RuntimeError(f"{argv[0]} exited with {done.returncode}: {tail}")
+        lines = [line for line in done.stdout.splitlines() if line.strip()]
+        if not lines:
+            return None
+        try:
+            return json.loads(lines[-1])
+        except json.JSONDecodeError:
+            return None  # the program printed no reward: the rubric alone scores
+
+    return run
 
 
 def agent_parts(result: Any) -> dict[str, float]:
@@ -145,18 +187,21 @@ class ExternalRollout:
         sources: Sources,
         config_dir: Path | None = None,
     ) -> None:
-        assert cfg.external.agent is not None
         self.cfg = cfg
         self.sources = sources
         self.tokenizer = policy.tokenizer
-        self.agent = resolve_agent(cfg.external.agent, config_dir)
+        ext = cfg.external
+        if ext.command is not None:
+            self.agent = command_agent(ext.command, config_dir, ext.timeout_s)
+        else:
+            assert ext.agent is not None
+            self.agent = resolve_agent(ext.agent, config_dir)
         self.recorder = Recorder()
         state = serve_state(policy, SERVED_MODEL_NAME, generator=generator)
         state.recorder = self.recorder
         state.required_temperature = cfg.sampling.temperature
         state.max_tokens_cap = cfg.sampling.max_new_tokens
         self.state = state
-        ext = cfg.external
         self.server = BackgroundServer(create_app(state), host=ext.host, port=ext.port).start()
         self.pool = ThreadPoolExecutor(ext.concurrency, thread_name_prefix="rlvr-agent")
         self.step = 0
