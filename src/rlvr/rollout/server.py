@@ -350,14 +350,6 @@ def save_full(policy: Policy, folder: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- launch
-def free_port(host: str = "127.0.0.1") -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def launch_command(
     cfg: GeneratorConfig,
     model_path: str,
@@ -397,6 +389,8 @@ def launch_server(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start the server (port 0: a free one), wait until it answers, return (process, base URL
     ending in /v1). Its output goes to `log_path` (default: a temp file), quoted when it dies."""
+    from rlvr.serve.runner import free_port
+
     port = port or free_port()
     argv, env = launch_command(cfg, model_path, port, weight_sync=weight_sync, lora_rank=lora_rank)
     if log_path is None:

@@ -30,18 +30,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlvr.envs.tools import parse_tool_calls
 from rlvr.rollout.generator import Completion, SamplingParams
 from rlvr.serve.batcher import GenerationBatcher
+from rlvr.serve.completions import (
+    BadInput,
+    completions_router,
+    error_response,
+    training_limits,
+    use_model,
+)
 from rlvr.serve.recorder import RecordedRollout, Recorder
 from rlvr.serve.state import ServeState
 
 DEFAULT_MAX_TOKENS = 256
-
-
-class InvalidRequest(Exception):
-    """A client error: answered with HTTP 400 and OpenAI's error body."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class ChatRequest(BaseModel):
@@ -68,12 +67,6 @@ class ChatRequest(BaseModel):
     return_token_ids: bool = False
 
 
-def error_body(message: str, param: str | None = None) -> dict[str, Any]:
-    return {
-        "error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}
-    }
-
-
 ROLLOUT_KEY_PREFIX = "rlvr-rollout-"
 
 
@@ -90,20 +83,10 @@ def rollout_id_of(request: ChatRequest, headers: Any) -> str | None:
 
 def sampling_of(request: ChatRequest, state: ServeState) -> SamplingParams:
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
-    cap = state.max_tokens_cap
-    max_tokens = request.max_completion_tokens or request.max_tokens or cap or DEFAULT_MAX_TOKENS
-    if cap is not None:
-        max_tokens = min(max_tokens, cap)
-    temperature = 1.0 if request.temperature is None else request.temperature
-    required = state.required_temperature
-    if required is not None:
-        if request.temperature is not None and abs(request.temperature - required) > 1e-6:
-            raise InvalidRequest(
-                f"temperature: this endpoint trains at temperature {required:g} (sampling."
-                f"temperature); got {request.temperature:g}",
-                "temperature",
-            )
-        temperature = required
+    requested = request.max_completion_tokens or request.max_tokens
+    temperature, max_tokens = training_limits(
+        state, request.temperature, requested or state.max_tokens_cap or DEFAULT_MAX_TOKENS
+    )
     try:
         return SamplingParams(
             n=request.n,
@@ -113,7 +96,7 @@ def sampling_of(request: ChatRequest, state: ServeState) -> SamplingParams:
             stop=stop,
         )
     except ValueError as err:
-        raise InvalidRequest(str(err)) from None
+        raise BadInput(str(err)) from None
 
 
 def _special_text(tokenizer: Any, token_id: int) -> str:
@@ -190,8 +173,6 @@ def _choice(
     if request.logprobs:
         tops: list[list[tuple[int, float]]] = []
         if request.top_logprobs:
-            from rlvr.serve.completions import use_model
-
             with state.lock, use_model(state, request.model):
                 tops = top_logprobs(
                     state,
@@ -231,15 +212,15 @@ def create_app(state: ServeState, record_dir: str | Path | None = None) -> FastA
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
 
-    @app.exception_handler(InvalidRequest)
-    def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), exc.param), status_code=400)
+    @app.exception_handler(BadInput)
+    def _invalid(_: Request, exc: BadInput) -> JSONResponse:
+        return error_response(str(exc), exc.param)
 
     @app.exception_handler(RequestValidationError)
     def _malformed(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return JSONResponse(error_body(f"{where}: {first.get('msg')}", where), status_code=400)
+        return error_response(f"{where}: {first.get('msg')}", where)
 
     @app.on_event("shutdown")
     def _stop() -> None:
@@ -260,15 +241,15 @@ def create_app(state: ServeState, record_dir: str | Path | None = None) -> FastA
     @app.post("/v1/chat/completions")
     def chat_completions(request: ChatRequest, http: Request) -> Any:
         if request.model not in (state.model_name, *state.adapters):
-            raise InvalidRequest(
+            raise BadInput(
                 f"model '{request.model}' is not served here (served: {state.model_name})", "model"
             )
         if not request.messages:
-            raise InvalidRequest("messages: at least one message is required", "messages")
+            raise BadInput("messages: at least one message is required", "messages")
         sampling = sampling_of(request, state)
         rollout_id = rollout_id_of(request, http.headers)
         if rollout_id is not None and request.n != 1:
-            raise InvalidRequest(
+            raise BadInput(
                 "n: a recorded rollout takes one choice per request (n=1); use one rollout id per "
                 "sample",
                 "n",
@@ -328,15 +309,10 @@ def create_app(state: ServeState, record_dir: str | Path | None = None) -> FastA
     def get_rollout(rollout_id: str) -> dict[str, Any]:
         rollout = recorder.get(rollout_id)
         if rollout is None:
-            raise InvalidRequest(f"no rollout recorded under id '{rollout_id}'", "rollout_id")
+            raise BadInput(f"no rollout recorded under id '{rollout_id}'", "rollout_id")
         return rollout_json(rollout)
 
-    try:  # the token-id completions protocol (vLLM's) and weight sync, when present
-        from rlvr.serve.completions import completions_router
-
-        app.include_router(completions_router(state))
-    except ImportError:
-        pass
+    app.include_router(completions_router(state))  # vLLM's token-id protocol and weight sync
     return app
 
 

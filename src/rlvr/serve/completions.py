@@ -75,6 +75,26 @@ class BadInput(Exception):
         self.param = param
 
 
+def training_limits(
+    state: ServeState, temperature: float | None, max_tokens: int
+) -> tuple[float, int]:
+    """(temperature, max_tokens) a request samples with. An endpoint that trains (`rollout:
+    external`) holds the run's temperature (the trainer recomputes log-probs at it; a request asking
+    for another is refused) and caps replies at the run's token budget. Default temperature 1."""
+    if state.max_tokens_cap is not None:
+        max_tokens = min(max_tokens, state.max_tokens_cap)
+    required = state.required_temperature
+    if required is None:
+        return (1.0 if temperature is None else temperature), max_tokens
+    if temperature is not None and abs(temperature - required) > 1e-6:
+        raise BadInput(
+            f"temperature: this endpoint trains at temperature {required:g} (sampling.temperature); "
+            f"got {temperature:g}",
+            "temperature",
+        )
+    return required, max_tokens
+
+
 def error_response(message: str, param: str | None = None, status: int = 400) -> JSONResponse:
     body = {"message": message, "type": "invalid_request_error", "param": param, "code": status}
     return JSONResponse({"error": body}, status_code=status)
@@ -317,17 +337,9 @@ def sampling_of(state: ServeState, r: CompletionRequest, longest_prompt: int) ->
             "prompt",
         )
     max_tokens = r.max_tokens if r.max_tokens is not None else (room or DEFAULT_MAX_TOKENS)
-    if state.max_tokens_cap is not None:
-        max_tokens = min(max_tokens, state.max_tokens_cap)
     if room is not None:
         max_tokens = min(max_tokens, room)
-    temperature = 1.0 if r.temperature is None else r.temperature
-    required = state.required_temperature
-    if required is not None and abs(temperature - required) > 1e-6:
-        raise BadInput(
-            f"temperature: this endpoint trains at temperature {required:g}; got {temperature:g}",
-            "temperature",
-        )
+    temperature, max_tokens = training_limits(state, r.temperature, max_tokens)
     stop = (r.stop,) if isinstance(r.stop, str) else tuple(r.stop or ())
     try:
         return SamplingParams(
