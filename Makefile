@@ -33,7 +33,8 @@ lint: $(STAMP)
 
 # Measuring instruments, not tests (docs/performance.md). `bench`: rlvr vs TRL step time, peak RSS and
 # MFU (full and LoRA, ~15 min), then generation vs HF generate (~3 min). `bench-all` adds the G x length
-# scaling sweep (~20 min) and learning per wall-clock against TRL (~30 min).
+# scaling sweep (~20 min), learning per wall-clock against TRL (~30 min) and 1 vs 2 Ray rollout
+# workers on env-bound rollouts (~2 min, docs/scaling.md).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/vs_trl.py
 	$(BIN)/python benchmarks/generation.py
@@ -41,6 +42,7 @@ bench: $(STAMP)
 bench-all: bench
 	$(BIN)/python benchmarks/scaling.py
 	$(BIN)/python benchmarks/vs_trl.py --learning
+	$(BIN)/python benchmarks/ray_scaling.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
