@@ -1,8 +1,9 @@
 """Concurrent chat requests sampled together: one generator call for every request that is waiting.
 
 An agent harness runs G x P conversations at once; served one at a time, each decode step would run
-one row. The batcher collects what arrives within a short window and samples all requests with the
-same sampling parameters in one `generate` call (HFGenerator pads and batches them), so the server's
+one row. The batcher collects the burst of requests that arrive together (and everything that queued
+while the previous call ran) and samples all requests with the same model and sampling parameters in
+one `generate` call (HFGenerator pads and batches them), so the server's
 cost per step is close to that of the engine's own rollouts. A request with a `seed` runs alone, with
 the generator's stream reseeded for it and restored after, so it neither shifts nor depends on others.
 """
@@ -31,9 +32,16 @@ class _Request:
 class GenerationBatcher:
     """`submit(prompt_ids, sampling, seed)` -> the request's n completions; a daemon thread samples."""
 
-    def __init__(self, state: ServeState, window_s: float = 0.01, max_prompts: int = 64) -> None:
+    def __init__(
+        self,
+        state: ServeState,
+        gap_s: float = 0.05,
+        max_wait_s: float = 0.5,
+        max_prompts: int = 256,
+    ) -> None:
         self.state = state
-        self.window_s = window_s
+        self.gap_s = gap_s
+        self.max_wait_s = max_wait_s
         self.max_prompts = max_prompts
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="rlvr-serve-batcher", daemon=True)
@@ -56,11 +64,15 @@ class GenerationBatcher:
         self._thread.join(timeout=5)
 
     def _take_batch(self, first: _Request) -> tuple[list[_Request], bool]:
-        """`first` and whatever arrives within the window; False when close() was asked."""
+        """`first` and the burst that follows it: requests keep joining while each arrives within
+        `gap_s` of the previous one, for at most `max_wait_s` (agents started together send their
+        turns within milliseconds; a lone request waits only `gap_s`). False when close() was asked.
+        A decode step costs about the same for 1 row as for 30, so a small first batch would cost
+        the others a whole extra generation."""
         batch = [first]
-        deadline = time.monotonic() + self.window_s
+        deadline = time.monotonic() + self.max_wait_s
         while len(batch) < self.max_prompts:
-            timeout = deadline - time.monotonic()
+            timeout = min(self.gap_s, deadline - time.monotonic())
             if timeout <= 0:
                 break
             try:
