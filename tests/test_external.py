@@ -37,6 +37,9 @@ def flaky(base_url, model, task, rollout_id):
         raise RuntimeError("tool backend down")
     return {"digits": 1.0, "style": 0.5}
 
+def reply_length(base_url, model, task, rollout_id):
+    return float(len(_ask(base_url, model, task, rollout_id)))
+
 def silent(task):
     return 1.0
 
@@ -159,6 +162,27 @@ def test_a_command_agent_is_recorded_through_its_api_key(
         assert t.usable and t.rewards == {"answered": 1.0} and sum(t.policy_mask) > 0
     for t in bad_group.trajectories:
         assert "exited with 3: no model for this one" in t.info["reward_errors"]["agent"]
+
+
+def test_external_eval_is_greedy_and_training_keeps_its_temperature(
+    byo_dir: Path, tiny_model_dir: Path
+) -> None:
+    ext, _ = _external(byo_dir, "reply_length", tiny_model_dir)
+    tasks = [
+        Task(id=f"t{i}", messages=({"role": "user", "content": f"{i} * 3 ="},), source="main")
+        for i in range(6)
+    ]
+    try:
+        first = ext.evaluate(tasks, "agent")
+        again = ext.evaluate(tasks, "agent")
+        assert first["eval/n"] == 6 and first["eval/errors"] == 0
+        assert first["eval/agent"] == again["eval/agent"]  # greedy: the same replies twice
+        assert ext.state.required_temperature == 1.0 and ext.state.default_temperature == 1.0
+        sampled = [ext.rollout(tasks, 2) for _ in range(2)]
+        lengths = [[t.rewards["agent"] for g in run for t in g.trajectories] for run in sampled]
+        assert lengths[0] != lengths[1]  # training samples at the run's temperature
+    finally:
+        ext.close()
 
 
 def test_agent_parts() -> None:

@@ -80,12 +80,13 @@ def training_limits(
 ) -> tuple[float, int]:
     """(temperature, max_tokens) a request samples with. An endpoint that trains (`rollout:
     external`) holds the run's temperature (the trainer recomputes log-probs at it; a request asking
-    for another is refused) and caps replies at the run's token budget. Default temperature 1."""
+    for another is refused) and caps replies at the run's token budget. A request naming no
+    temperature gets `state.default_temperature` (1, as OpenAI's; 0 while an external run evaluates)."""
     if state.max_tokens_cap is not None:
         max_tokens = min(max_tokens, state.max_tokens_cap)
     required = state.required_temperature
     if required is None:
-        return (1.0 if temperature is None else temperature), max_tokens
+        return (state.default_temperature if temperature is None else temperature), max_tokens
     if temperature is not None and abs(temperature - required) > 1e-6:
         raise BadInput(
             f"temperature: this endpoint trains at temperature {required:g} (sampling.temperature); "

@@ -307,8 +307,15 @@ class ExternalRollout:
 
     def evaluate(self, tasks: Sequence[Task], metric: str) -> dict[str, float]:
         """The agent once on each held-out task: eval/accuracy (the `metric` component), eval/reward,
-        and each component's mean."""
-        played = self._play(tasks, 1, f"eval{self.step}")
+        and each component's mean. Greedy, like the engine's eval (pass@1), unless the agent asks
+        for a temperature: the training lock on the temperature is lifted meanwhile."""
+        state = self.state
+        required, default = state.required_temperature, state.default_temperature
+        state.required_temperature, state.default_temperature = None, 0.0
+        try:
+            played = self._play(tasks, 1, f"eval{self.step}")
+        finally:
+            state.required_temperature, state.default_temperature = required, default
         scored = [self._score(task, *row[0]) for task, row in zip(tasks, played, strict=True)]
         usable = [t for t in scored if t.usable]
         out: dict[str, float] = {

@@ -32,3 +32,5 @@ class ServeState:
     # token budget per reply. None = whatever the request asks.
     required_temperature: float | None = None
     max_tokens_cap: int | None = None
+    # The temperature of a request that names none (OpenAI's default 1; 0 = greedy, for evals).
+    default_temperature: float = 1.0
