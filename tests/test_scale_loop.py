@@ -135,3 +135,23 @@ def test_torchrun_trains_the_whole_loop(
             for a, b in zip(trained.parameters(), base.parameters(), strict=True)
         )
     assert moved > 0
+
+
+def test_a_failed_start_stops_the_launched_server(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A run that fails after starting its server (here: --resume with no checkpoint) stops it."""
+    import psutil
+
+    from rlvr.errors import RlvrError
+
+    cfg = _tiny(
+        tiny_config_dir, tiny_model_dir, tmp_path / "empty", "generator.backend=server",
+        "generator.launch=rlvr",
+    )  # fmt: skip
+    with pytest.raises(RlvrError):
+        train(cfg, resume=True, config_dir=tiny_config_dir)
+    servers = [
+        p for p in psutil.Process().children(recursive=True) if "serve" in " ".join(p.cmdline())
+    ]
+    assert not servers, [p.cmdline() for p in servers]

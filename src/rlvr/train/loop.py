@@ -24,7 +24,9 @@ How this departs from the paper, on purpose:
   (StarPO-S filtering or a larger beta from the next step on).
 
 The update itself is rlvr.train.update.policy_update; ppo's critic and distill's teacher are built in
-rlvr.train.companions.
+rlvr.train.companions. Where episodes are played (in process, on a vLLM-protocol server, by the user's
+own agent through `rlvr serve`, on Ray actors, in a background thread, or by torchrun ranks) is
+rlvr.train.rollouts.RolloutPlan; the step is the same in every case (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -139,84 +141,88 @@ def train(
         cfg, policy, sources, sampling, limits,
         config_dir=config_dir, tasks=tasks, dist=dist, run_dir=run_dir,
     )  # fmt: skip
-    generator = plan.generator
-    if dist is not None:
-        dist.prepare_policy(policy)  # ddp: identical start on every rank; fsdp: shard
-    optimizer, scheduler = build_optimizer(policy, cfg)
-    is_main = dist is None or dist.is_main
-    spec = ALGORITHMS[cfg.algorithm]
-    # ppo's value model and distill's teacher: built only for the algorithms that use them.
-    critic = RunCritic(cfg, int(tokenizer.pad_token_id)) if spec.needs_critic else None
-    teacher = build_teacher(cfg, policy) if spec.needs_teacher else None
-    metrics_of = {s.metric for s in sources}
-    monitors = Monitors(
-        cfg.monitors,
-        accuracy=next(iter(metrics_of)) if len(metrics_of) == 1 else None,
-        optimised=[name for name, w in sources.reward_weights.items() if w != 0],
-    )
-
-    def run_eval() -> dict[str, float]:
-        return plan.evaluate(
-            lambda: evaluate_sources(
-                sources,
-                generator,
-                tokenizer,
-                n=cfg.eval.n,
-                max_new_tokens=cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
-                stop=tuple(cfg.sampling.stop),
-                limits=limits,
-            )
-        )
-
-    start_step = 0
-    if resume:
-        checkpoint = latest_checkpoint(run_dir)
-        load_weights_into(policy.model, checkpoint, policy.lora)
-        if critic is not None:
-            critic.load(checkpoint)
-        state, generator_rng = load_training_state(checkpoint, optimizer, scheduler)
-        generator.set_state(generator_rng)
-        sources.load_state_dict(state["sampler"])
-        start_step = int(state["step"])
-        monitors.load_state_dict(state.get("monitors", {}))
-        cfg = apply_changes(cfg, monitors.changes)  # mitigations made before the checkpoint
-        ensure_reference(policy, cfg)
-        plan.after_resume(start_step)
-
-    tracker = (Tracker if is_main else NullTracker)(
-        run_dir,
-        use_trackio=cfg.tracking.trackio,
-        project=cfg.tracking.project,
-        run_name=cfg.tracking.run_name or run_dir.name,
-        config=config_to_dict(cfg),
-        resume_step=start_step if resume else None,
-    )
-    summary = RunSummary(run_dir=run_dir, steps_done=start_step)
-    progress = Progress(
-        total=cfg.train.steps, start=start_step, enabled=cfg.tracking.progress and is_main
-    )
-    if resume and tracker.metrics_path.exists():
-        monitors.replay(read_metrics(run_dir))  # the history up to the checkpoint
-
-    def save(step: int) -> None:
-        plan.before_save()  # async: producer idle; fsdp: full weights gathered (collective)
-        if not is_main:
-            return
-        save_checkpoint(
-            run_dir,
-            step,
-            model=plan.copy_model if plan.copy_model is not None else policy.model,
-            tokenizer=tokenizer,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            generator_rng=generator.get_state(),
-            sampler_state=sources.state_dict(),
-            extra_state={"algorithm": cfg.algorithm, "monitors": monitors.state_dict()},
-            keep_last=cfg.checkpoint.keep_last,
-            save_extra=critic.save if critic is not None else None,
-        )
-
+    # Everything that runs beside the loop (a server, Ray actors, threads) is closed however it ends.
+    closers: list[Callable[[], None]] = [plan.close]
     try:
+        generator = plan.generator
+        if dist is not None:
+            dist.prepare_policy(policy)  # ddp: identical start on every rank; fsdp: shard
+        optimizer, scheduler = build_optimizer(policy, cfg)
+        is_main = dist is None or dist.is_main
+        spec = ALGORITHMS[cfg.algorithm]
+        # ppo's value model and distill's teacher: built only for the algorithms that use them.
+        critic = RunCritic(cfg, int(tokenizer.pad_token_id)) if spec.needs_critic else None
+        teacher = build_teacher(cfg, policy) if spec.needs_teacher else None
+        metrics_of = {s.metric for s in sources}
+        monitors = Monitors(
+            cfg.monitors,
+            accuracy=next(iter(metrics_of)) if len(metrics_of) == 1 else None,
+            optimised=[name for name, w in sources.reward_weights.items() if w != 0],
+        )
+
+        def run_eval() -> dict[str, float]:
+            return plan.evaluate(
+                lambda: evaluate_sources(
+                    sources,
+                    generator,
+                    tokenizer,
+                    n=cfg.eval.n,
+                    max_new_tokens=cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
+                    stop=tuple(cfg.sampling.stop),
+                    limits=limits,
+                )
+            )
+
+        start_step = 0
+        if resume:
+            checkpoint = latest_checkpoint(run_dir)
+            load_weights_into(policy.model, checkpoint, policy.lora)
+            if critic is not None:
+                critic.load(checkpoint)
+            state, generator_rng = load_training_state(checkpoint, optimizer, scheduler)
+            generator.set_state(generator_rng)
+            sources.load_state_dict(state["sampler"])
+            start_step = int(state["step"])
+            monitors.load_state_dict(state.get("monitors", {}))
+            cfg = apply_changes(cfg, monitors.changes)  # mitigations made before the checkpoint
+            ensure_reference(policy, cfg)
+            plan.after_resume(start_step)
+
+        tracker = (Tracker if is_main else NullTracker)(
+            run_dir,
+            use_trackio=cfg.tracking.trackio,
+            project=cfg.tracking.project,
+            run_name=cfg.tracking.run_name or run_dir.name,
+            config=config_to_dict(cfg),
+            resume_step=start_step if resume else None,
+        )
+        closers.append(tracker.close)
+        summary = RunSummary(run_dir=run_dir, steps_done=start_step)
+        progress = Progress(
+            total=cfg.train.steps, start=start_step, enabled=cfg.tracking.progress and is_main
+        )
+        closers.append(progress.close)
+        if resume and tracker.metrics_path.exists():
+            monitors.replay(read_metrics(run_dir))  # the history up to the checkpoint
+
+        def save(step: int) -> None:
+            plan.before_save()  # async: producer idle; fsdp: full weights gathered (collective)
+            if not is_main:
+                return
+            save_checkpoint(
+                run_dir,
+                step,
+                model=plan.copy_model if plan.copy_model is not None else policy.model,
+                tokenizer=tokenizer,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                generator_rng=generator.get_state(),
+                sampler_state=sources.state_dict(),
+                extra_state={"algorithm": cfg.algorithm, "monitors": monitors.state_dict()},
+                keep_last=cfg.checkpoint.keep_last,
+                save_extra=critic.save if critic is not None else None,
+            )
+
         if cfg.eval.at_start and not resume:
             progress.note("evaluating the base policy on held-out tasks...")
             base = run_eval()
@@ -341,9 +347,8 @@ def train(
         if cfg.checkpoint.save_final and summary.steps_done == cfg.train.steps:
             save(cfg.train.steps)
     finally:
-        plan.close()
-        progress.close()
-        tracker.close()
+        for close in reversed(closers):
+            close()
         if dist is not None:
             dist.close()
     summary.wall_seconds = time.time() - started
