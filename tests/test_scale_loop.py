@@ -155,3 +155,42 @@ def test_a_failed_start_stops_the_launched_server(
         p for p in psutil.Process().children(recursive=True) if "serve" in " ".join(p.cmdline())
     ]
     assert not servers, [p.cmdline() for p in servers]
+
+
+def test_external_agents_on_a_server_backend(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """ART's layout: the user's agent talks to rlvr's chat endpoint (recording), generation runs on a
+    vLLM-protocol server synced after every update. The recordings carry the server's log-probs and
+    they match the trainer's (the sync works under the external path too)."""
+    root = Path(__file__).resolve().parent.parent / "examples" / "byo_agent"
+    for name in ("tiny.yaml", "tiny_agent.py"):
+        (tmp_path / name).write_text((root / name).read_text())
+    server_policy = load_policy(str(tiny_model_dir))
+    with BackgroundServer(create_app(serve_state(server_policy, str(tiny_model_dir)))) as srv:
+        run_dir = tmp_path / "run"
+        cfg = load_config(
+            tmp_path / "tiny.yaml",
+            [
+                f"model.name={tiny_model_dir}", f"output_dir={run_dir}", "tracking.progress=false",
+                "train.steps=3", "eval.at_start=false", "eval.at_end=false",
+                "generator.backend=server", f"generator.url={srv.base_url}",
+            ],
+        )  # fmt: skip
+        train(cfg, config_dir=tmp_path)
+    rows = _rows(run_dir)
+    assert [r["external/requests_per_rollout"] for r in rows] == [2.0, 2.0, 2.0]
+    assert max(r["update/behaviour_logprob_abs_diff"] for r in rows) < 1e-4
+
+
+def test_combinations_not_supported_are_config_errors() -> None:
+    from rlvr.errors import ConfigError
+
+    for combo in (
+        ["rollout.async_rollouts=true", "distributed.ray=true"],
+        ["rollout.async_rollouts=true", "generator.backend=server", "generator.url=http://x/v1"],
+        ["distributed.ray=true", "rollout=external", "external.agent=a.py:f"],
+        ["generator.backend=server"],  # neither url nor launch
+    ):
+        with pytest.raises(ConfigError):
+            load_config(None, combo)

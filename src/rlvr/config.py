@@ -777,6 +777,13 @@ class RunConfig(_Section):
             raise ValueError(
                 "generator.backend: server needs exactly one of generator.url, generator.launch"
             )
+        if self.rollout.async_rollouts and (
+            self.rollout.mode == "external" or gen.backend == "server" or self.distributed.ray
+        ):
+            raise ValueError(
+                "rollout.async_rollouts samples on an in-process copy of the policy: use it with "
+                "rollout.mode internal, generator.backend hf and without distributed.ray"
+            )
         if self.distributed.ray and (self.rollout.mode == "external" or gen.backend == "server"):
             raise ValueError(
                 "distributed.ray plays episodes with in-process generators: use it with "

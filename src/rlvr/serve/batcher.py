@@ -108,6 +108,8 @@ class GenerationBatcher:
         from rlvr.serve.completions import use_model
 
         generator = self.state.generator
+        # A server generator (rollout/server.py) seeds each of its requests itself: no stream here.
+        seed = seed if hasattr(generator, "rng") else None
         try:
             with self.state.lock, use_model(self.state, model):
                 saved = generator.get_state() if seed is not None else None
