@@ -816,6 +816,10 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     if kind == "literal_error":
         allowed = first.get("ctx", {}).get("expected", "")
         return f"{source}: '{where}' = {first.get('input')!r} is not allowed; expected {allowed}"
+    if not first[
+        "loc"
+    ]:  # a rule across sections: its message says it all; the input is the whole file
+        return f"{source}: {msg.removeprefix('Value error, ')}{more}"
     return f"{source}: '{where}': {msg} (got {first.get('input')!r}){more}"
 
 
