@@ -154,7 +154,8 @@ def _sample_turn(
     return [c for c in out if c is not None]
 
 
-def _special_text(tokenizer: Any, token_id: int) -> str:
+def special_token_text(tokenizer: Any, token_id: int) -> str:
+    """The decoded text of `token_id` when it is a special token (an EOS the policy sampled), else ""."""
     if token_id in getattr(tokenizer, "all_special_ids", ()):
         return str(tokenizer.decode([token_id]))
     return ""
@@ -269,7 +270,7 @@ def run_episodes(
             text = str(tokenizer.decode(sampled, skip_special_tokens=True))
             ep.last_text = text
             ep.messages.append({"role": "assistant", "content": text})
-            eos_text = "" if not sampled or cut else _special_text(tokenizer, sampled[-1])
+            eos_text = "" if not sampled or cut else special_token_text(tokenizer, sampled[-1])
             pending.append((ep, text, cut, eos_text))
         steps = _step_all([(ep.env, text) for ep, text, _, _ in pending], limits.env_workers)
         for (ep, _, cut, eos_text), step in zip(pending, steps, strict=True):

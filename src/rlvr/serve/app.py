@@ -21,23 +21,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlvr.envs.tools import parse_tool_calls
+from rlvr.rollout.chat import render_prompt_ids
+from rlvr.rollout.engine import special_token_text
 from rlvr.rollout.generator import Completion, SamplingParams
 from rlvr.serve.batcher import GenerationBatcher
-from rlvr.serve.completions import (
-    BadInput,
-    completions_router,
-    error_response,
-    training_limits,
-    use_model,
-)
-from rlvr.serve.recorder import RecordedRollout, Recorder
+from rlvr.serve.completions import completions_router, use_model
+from rlvr.serve.recorder import RecordedRollout, Recorder, template_messages
+from rlvr.serve.shared import BadInput, error_response, top_logprobs, training_limits
 from rlvr.serve.state import ServeState
 
 DEFAULT_MAX_TOKENS = 256
@@ -99,12 +95,6 @@ def sampling_of(request: ChatRequest, state: ServeState) -> SamplingParams:
         raise BadInput(str(err)) from None
 
 
-def _special_text(tokenizer: Any, token_id: int) -> str:
-    if token_id in getattr(tokenizer, "all_special_ids", ()):
-        return str(tokenizer.decode([token_id]))
-    return ""
-
-
 def reply_message(
     text: str, stops: tuple[str, ...], parse_tools: bool
 ) -> tuple[dict[str, Any], bool]:
@@ -125,27 +115,6 @@ def reply_message(
         ]
         return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, True
     return {"role": "assistant", "content": text}, False
-
-
-@torch.no_grad()
-def top_logprobs(
-    state: ServeState,
-    prompt_ids: list[int],
-    completion_ids: tuple[int, ...],
-    temperature: float,
-    k: int,
-) -> list[list[tuple[int, float]]]:
-    """The k most likely tokens and their log-probs at each completion position (teacher-forced)."""
-    if not completion_ids:
-        return []
-    ids = torch.tensor([[*prompt_ids, *completion_ids]])
-    logits = state.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
-    logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)
-    values, indices = logp.topk(k, dim=-1)
-    return [
-        list(zip(row_i.tolist(), row_v.tolist(), strict=True))
-        for row_i, row_v in zip(indices, values, strict=True)
-    ]
 
 
 def _token_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
@@ -256,9 +225,6 @@ def create_app(state: ServeState, record_dir: str | Path | None = None) -> FastA
             )
         tools = list(request.tools or [])
         if rollout_id is None:
-            from rlvr.rollout.chat import render_prompt_ids
-            from rlvr.serve.recorder import template_messages
-
             prompt_ids = render_prompt_ids(
                 state.tokenizer, template_messages(request.messages), tools
             )
@@ -273,7 +239,7 @@ def create_app(state: ServeState, record_dir: str | Path | None = None) -> FastA
                 completions = batcher.submit(prompt_ids, sampling, request.seed, request.model)
                 choice, message = _choice(state, request, 0, prompt_ids, completions[0], sampling)
                 sampled = completions[0].token_ids
-                eos = "" if not sampled else _special_text(state.tokenizer, sampled[-1])
+                eos = "" if not sampled else special_token_text(state.tokenizer, sampled[-1])
                 recorder.record(
                     rollout,
                     request.messages,

@@ -17,6 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from rlvr.rollout.generator import Completion, SamplingParams
+from rlvr.serve.completions import use_model
+from rlvr.serve.shared import seeded
 from rlvr.serve.state import ServeState
 
 
@@ -105,21 +107,10 @@ class GenerationBatcher:
     def _sample(
         self, members: list[_Request], model: str, sampling: SamplingParams, seed: int | None
     ) -> None:
-        from rlvr.serve.completions import use_model
-
         generator = self.state.generator
-        # A server generator (rollout/server.py) seeds each of its requests itself: no stream here.
-        seed = seed if hasattr(generator, "rng") else None
         try:
-            with self.state.lock, use_model(self.state, model):
-                saved = generator.get_state() if seed is not None else None
-                if seed is not None:
-                    generator.rng.manual_seed(seed)
-                try:
-                    results = generator.generate([r.prompt_ids for r in members], sampling)
-                finally:
-                    if saved is not None:
-                        generator.set_state(saved)
+            with self.state.lock, use_model(self.state, model), seeded(generator, seed):
+                results = generator.generate([r.prompt_ids for r in members], sampling)
         except Exception as exc:  # every waiting request learns why, none hangs
             for r in members:
                 r.future.set_exception(exc)

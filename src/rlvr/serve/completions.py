@@ -61,44 +61,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from rlvr.rollout.generator import Completion, SamplingParams
+from rlvr.serve.shared import BadInput, error_response, seeded, top_logprobs, training_limits
 from rlvr.serve.state import ServeState
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
 MIN_LOGPROB = -9999.0  # vLLM clamps -inf to this (JSON has no infinity)
-
-
-class BadInput(Exception):
-    """A client error, answered with 400 and OpenAI's error body (one line)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def training_limits(
-    state: ServeState, temperature: float | None, max_tokens: int
-) -> tuple[float, int]:
-    """(temperature, max_tokens) a request samples with. An endpoint that trains (`rollout:
-    external`) holds the run's temperature (the trainer recomputes log-probs at it; a request asking
-    for another is refused) and caps replies at the run's token budget. A request naming no
-    temperature gets `state.default_temperature` (1, as OpenAI's; 0 while an external run evaluates)."""
-    if state.max_tokens_cap is not None:
-        max_tokens = min(max_tokens, state.max_tokens_cap)
-    required = state.required_temperature
-    if required is None:
-        return (state.default_temperature if temperature is None else temperature), max_tokens
-    if temperature is not None and abs(temperature - required) > 1e-6:
-        raise BadInput(
-            f"temperature: this endpoint trains at temperature {required:g} (sampling.temperature); "
-            f"got {temperature:g}",
-            "temperature",
-        )
-    return required, max_tokens
-
-
-def error_response(message: str, param: str | None = None, status: int = 400) -> JSONResponse:
-    body = {"message": message, "type": "invalid_request_error", "param": param, "code": status}
-    return JSONResponse({"error": body}, status_code=status)
 
 
 class CompletionRequest(BaseModel):
@@ -227,18 +194,12 @@ def complete(state: ServeState, request: CompletionRequest) -> dict[str, Any]:
             results = generator.generate(prompts, sampling)
         else:
             # Each prompt sampled from a stream seeded with the request's seed (vLLM gives every
-            # prompt of a request the same seed), then the server's own stream is put back.
-            saved = generator.get_state()
+            # prompt of a request the same seed).
             results = []
-            try:
-                for prompt in prompts:
-                    generator.rng.manual_seed(request.seed)
+            for prompt in prompts:
+                with seeded(generator, request.seed):
                     results.extend(generator.generate([prompt], sampling))
-            finally:
-                generator.set_state(saved)
         if request.logprobs:
-            from rlvr.serve.app import top_logprobs
-
             tops = [
                 [
                     top_logprobs(state, p, c.token_ids, sampling.temperature, request.logprobs)
