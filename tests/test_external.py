@@ -40,6 +40,13 @@ def flaky(base_url, model, task, rollout_id):
 def reply_length(base_url, model, task, rollout_id):
     return float(len(_ask(base_url, model, task, rollout_id)))
 
+import threading
+from rlvr.verifiers.rubric import parallel_reward
+
+@parallel_reward
+def slow_check(completion, **_):
+    return 0.0 if threading.current_thread() is threading.main_thread() else 1.0
+
 def silent(task):
     return 1.0
 
@@ -183,6 +190,34 @@ def test_external_eval_is_greedy_and_training_keeps_its_temperature(
         assert lengths[0] != lengths[1]  # training samples at the run's temperature
     finally:
         ext.close()
+
+
+def test_slow_rubric_functions_run_in_the_worker_pool(byo_dir: Path, tiny_model_dir: Path) -> None:
+    """A `@parallel_reward` function (code execution) is scored for all of a step's rollouts at once
+    in worker threads, as the engine does, not one by one in the main thread."""
+    cfg = load_config(
+        byo_dir / "tiny.yaml",
+        [
+            f"model.name={tiny_model_dir}",
+            f"external.agent={byo_dir / 'agents.py'}:reply_length",
+            f"rewards=[{{fn: '{byo_dir / 'agents.py'}:slow_check', name: pooled}}]",
+            "eval.metric=pooled",
+        ],
+    )
+    policy = load_policy(str(tiny_model_dir))
+    generator = HFGenerator(
+        policy.model, policy.tokenizer, {policy.tokenizer.eos_token_id}, seed=0, autocast_bf16=False
+    )
+    ext = ExternalRollout(cfg, policy, generator, Sources(cfg, byo_dir), byo_dir)
+    tasks = [
+        Task(id=f"t{i}", messages=({"role": "user", "content": f"{i} ="},), source="main")
+        for i in range(2)
+    ]
+    try:
+        groups = ext.rollout(tasks, 2)
+    finally:
+        ext.close()
+    assert [t.rewards["pooled"] for g in groups for t in g.trajectories] == [1.0] * 4
 
 
 def test_agent_parts() -> None:

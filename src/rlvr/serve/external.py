@@ -47,6 +47,7 @@ from rlvr.serve.recorder import RecordedRollout, Recorder
 from rlvr.serve.runner import BackgroundServer, serve_state
 from rlvr.train.sources import Sources
 from rlvr.verifiers import resolve_reward_fn
+from rlvr.verifiers.rubric import Prefetched
 
 SERVED_MODEL_NAME = "policy"
 
@@ -250,7 +251,10 @@ class ExternalRollout:
             out.append(row)
         return out
 
-    def _score(self, task: Task, result: Any, rid: str) -> Trajectory:
+    def _recorded(
+        self, task: Task, result: Any, rid: str
+    ) -> Trajectory | tuple[Trajectory, dict[str, float]]:
+        """The rollout's unscored trajectory and the agent's reward parts, or a failed trajectory."""
         recording = self.recorder.pop(rid)
         if isinstance(result, BaseException):
             return failed_trajectory(
@@ -260,40 +264,72 @@ class ExternalRollout:
             return failed_trajectory(
                 task, self.tokenizer, f"the agent sent no request under rollout id '{rid}'"
             )
-        trajectory = trajectory_from_recording(task, recording, self.tokenizer)
         try:
             parts = agent_parts(result)
         except (TypeError, ValueError) as err:
             return failed_trajectory(task, self.tokenizer, str(err))
-        scoring = self.sources.scoring(task)
-        rewards = dict(parts)
-        total = sum(scoring.env_weights.get(n, 1.0) * v for n, v in parts.items())
-        errors: dict[str, str] = {}
-        if scoring.rubric is not None:
-            score = scoring.rubric.score(trajectory, task)
-            rewards.update(score.rewards)
-            errors.update(score.errors)
-            total += score.total
-        info = dict(trajectory.info)
-        if errors:
-            info["reward_errors"] = errors
-        turns = len(trajectory.turns)
-        return dataclasses.replace(
-            trajectory,
-            rewards=rewards,
-            reward=total if not errors else 0.0,
-            reward_errors=tuple(sorted(errors)),
-            # The whole reward on the last turn, as the engine puts a rubric's share.
-            turn_rewards=(0.0,) * (turns - 1) + (total,) if turns else (),
-            info=info,
-        )
+        return trajectory_from_recording(task, recording, self.tokenizer), parts
+
+    def _score_all(self, played: Sequence[tuple[Task, Any, str]]) -> list[Trajectory]:
+        """Score every played rollout: the agent's parts + the run's rubric. Slow, thread-safe rubric
+        functions (`@parallel_reward`, e.g. code execution) run across all rollouts at once, as in
+        the engine (rollout_groups)."""
+        recorded = [self._recorded(task, result, rid) for task, result, rid in played]
+        prefetched: Prefetched = {}
+        rubrics = {id(r): r for task, *_ in played if (r := self.sources.scoring(task).rubric)}
+        for rubric in rubrics.values():
+            pairs = [
+                (rec[0], task)
+                for (task, *_), rec in zip(played, recorded, strict=True)
+                if isinstance(rec, tuple) and self.sources.scoring(task).rubric is rubric
+            ]
+            prefetched.update(rubric.prefetch(pairs, workers=self.cfg.rollout.env_workers))
+        out = []
+        for (task, *_), rec in zip(played, recorded, strict=True):
+            if not isinstance(rec, tuple):
+                out.append(rec)
+                continue
+            trajectory, parts = rec
+            scoring = self.sources.scoring(task)
+            rewards = dict(parts)
+            total = sum(scoring.env_weights.get(n, 1.0) * v for n, v in parts.items())
+            errors: dict[str, str] = {}
+            if scoring.rubric is not None:
+                score = scoring.rubric.score(trajectory, task, prefetched)
+                rewards.update(score.rewards)
+                errors.update(score.errors)
+                total += score.total
+            info = dict(trajectory.info)
+            if errors:
+                info["reward_errors"] = errors
+            turns = len(trajectory.turns)
+            out.append(
+                dataclasses.replace(
+                    trajectory,
+                    rewards=rewards,
+                    reward=total if not errors else 0.0,
+                    reward_errors=tuple(sorted(errors)),
+                    # The whole reward on the last turn, as the engine puts a rubric's share.
+                    turn_rewards=(0.0,) * (turns - 1) + (total,) if turns else (),
+                    info=info,
+                )
+            )
+        return out
 
     def rollout(self, tasks: Sequence[Task], g: int) -> list[Group]:
         self.step += 1
         played = self._play(tasks, g, f"step{self.step}")
+        scored = iter(
+            self._score_all(
+                [
+                    (task, res, rid)
+                    for task, row in zip(tasks, played, strict=True)
+                    for res, rid in row
+                ]
+            )
+        )
         groups = [
-            Group(task=task, trajectories=tuple(self._score(task, res, rid) for res, rid in row))
-            for task, row in zip(tasks, played, strict=True)
+            Group(task=task, trajectories=tuple(next(scored) for _ in range(g))) for task in tasks
         ]
         flat = [t for grp in groups for t in grp.trajectories]
         self.last_metrics = {
@@ -316,7 +352,7 @@ class ExternalRollout:
             played = self._play(tasks, 1, f"eval{self.step}")
         finally:
             state.required_temperature, state.default_temperature = required, default
-        scored = [self._score(task, *row[0]) for task, row in zip(tasks, played, strict=True)]
+        scored = self._score_all([(task, *row[0]) for task, row in zip(tasks, played, strict=True)])
         usable = [t for t in scored if t.usable]
         out: dict[str, float] = {
             "eval/n": float(len(scored)),
