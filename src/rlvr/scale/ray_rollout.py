@@ -40,6 +40,7 @@ from rlvr.models import Policy
 from rlvr.records import Group, Task
 from rlvr.rollout.engine import RolloutLimits, rollout_groups
 from rlvr.rollout.generator import Completion, Generator, SamplingParams
+from rlvr.scale import chunk_bounds
 from rlvr.scale.weights import load_trainable_state, trainable_state
 from rlvr.tasks import TaskSplits
 
@@ -64,19 +65,6 @@ def _import_ray() -> Any:
 def seed_for_worker(seed: int, index: int) -> int:
     """The sampling seed of actor `index`: apart from the learner's (`seed`) and every other actor's."""
     return seed + 1000 * (index + 1)
-
-
-def chunk_bounds(n_items: int, n_chunks: int) -> list[tuple[int, int]]:
-    """[start, end) of `n_chunks` contiguous chunks covering range(n_items), sizes differing by at
-    most one (the first n_items % n_chunks chunks get the extra item); some are empty when
-    n_items < n_chunks."""
-    base, extra = divmod(n_items, n_chunks)
-    bounds, start = [], 0
-    for k in range(n_chunks):
-        end = start + base + (1 if k < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 def describe_failure(err: BaseException) -> str:

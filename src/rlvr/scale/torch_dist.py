@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from rlvr.models import Policy
+from rlvr.scale import chunk_bounds
 
 T = TypeVar("T")
 
@@ -82,9 +83,8 @@ class DistContext:
     def shard(self, items: Sequence[T]) -> list[T]:
         """This rank's contiguous share of `items`; shares differ in length by at most one (the first
         `len % world_size` ranks take one more). Called on tasks, a task's whole group stays on one rank."""
-        base, extra = divmod(len(items), self.world_size)
-        start = self.rank * base + min(self.rank, extra)
-        return list(items[start : start + base + (1 if self.rank < extra else 0)])
+        start, end = chunk_bounds(len(items), self.world_size)[self.rank]
+        return list(items[start:end])
 
     # ------------------------------------------------------------------------------ collectives
     def all_gather_objects(self, items: list[T]) -> list[T]:
