@@ -7,7 +7,9 @@ from a textbook reading, and why:
 - The reference is the initial model, and it never changes, so its log-probs are computed once for
   every pair before training and cached in OUTPUT_DIR/reference_logps.pt (a resumed run reads them
   back). With LoRA they come from the base with adapters disabled; with full fine-tuning from the
-  model before its first update, so no frozen copy is ever held in memory.
+  model before its first update, so no frozen copy is ever held in memory. The cache is keyed on the
+  pairs' tokens, the model (its name, config and a sample of its base weights), whether log-probs
+  are summed (sigmoid, hinge) or averaged (ipo) and bf16: a change to any of them recomputes.
 - Dropout is switched off (as TRL's disable_dropout; LoRA dropout too): with dropout, pi and pi_ref
   differ at step 0 and the implicit rewards start from noise.
 - A completion's log-prob is the sum over its tokens; for IPO the per-token mean, as in the paper.
@@ -36,6 +38,7 @@ from rlvr.offline.common import (
 )
 from rlvr.offline.config import DPOConfig
 from rlvr.offline.data import PairExample, collate_pairs, pair_examples, train_and_heldout
+from rlvr.train.checkpoint import load_data
 
 REFERENCE_FILE = "reference_logps.pt"
 
@@ -45,6 +48,25 @@ def _fingerprint(pairs: list[PairExample]) -> str:
     for pair in pairs:
         for side in (pair.chosen, pair.rejected):
             digest.update(repr((side.input_ids, side.loss_mask)).encode())
+    return digest.hexdigest()
+
+
+def model_fingerprint(model: Any) -> str:
+    """A hash of the reference model: its config and a strided sample of every base weight (LoRA
+    adapters left out: the reference runs with them disabled). Two checkpoints of one architecture
+    differ in their weights, so the name alone would not do; a sample keeps this to milliseconds."""
+    digest = hashlib.sha256()
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        digest.update(config.to_json_string(use_diff=False).encode())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                continue
+            flat = param.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 1024)].float().cpu()
+            digest.update(f"{name}{tuple(param.shape)}".encode())
+            digest.update(sample.numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -67,14 +89,20 @@ def pair_logps(
 
 
 def reference_logps(
-    path: Path, policy: Any, splits: dict[str, list[PairExample]], **kw: Any
+    path: Path, policy: Any, splits: dict[str, list[PairExample]], *, model_name: str, **kw: Any
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Reference (chosen, rejected) log-probs per split, from the cache file when it matches the data."""
-    fingerprint = _fingerprint([p for pairs in splits.values() for p in pairs])
+    """Reference (chosen, rejected) log-probs per split, from the cache file when it was computed
+    for these pairs, this model and this averaging (see the module docstring); else computed."""
+    data = _fingerprint([p for pairs in splits.values() for p in pairs])
+    model = model_fingerprint(policy.model)
+    fingerprint = (
+        f"data={data} model={model_name}:{model} average={kw['average']} bf16={kw['bf16']}"
+    )
     if path.is_file():
-        stored = torch.load(path, weights_only=False)
-        if stored.get("fingerprint") == fingerprint:
-            return dict(stored["logps"])
+        # Plain data only (tensors, strings): a run file is never unpickled as code.
+        stored = load_data(path)
+        if isinstance(stored, dict) and stored.get("fingerprint") == fingerprint:
+            return {name: (pair[0], pair[1]) for name, pair in stored["logps"].items()}
     policy.model.eval()
     with policy.reference() if policy.lora else contextlib.nullcontext(policy.model) as reference:
         logps = {name: pair_logps(reference, pairs, **kw) for name, pairs in splits.items()}
@@ -118,6 +146,7 @@ def train_dpo(cfg: DPOConfig, *, rows: Any = None, resume: bool = False) -> Stag
         Path(cfg.output_dir) / REFERENCE_FILE,
         policy,
         splits,
+        model_name=cfg.model.name,
         pad_id=pad_id,
         micro=train.micro_batch_size,
         bf16=bf16,

@@ -1,13 +1,21 @@
 """Checkpoints that resume a run exactly: weights (or adapter), optimizer, scheduler, every RNG, the
 task sampler's position and the config.
 
-Layout: RUN_DIR/checkpoints/step-000040/{model/, optimizer.pt, scheduler.pt, rng.pt, state.json}.
-`model/` is a normal HF (or peft adapter) directory, so `rlvr eval` and `from_pretrained` read it.
+Layout: RUN_DIR/checkpoints/step-000040/{model/, optimizer.pt, scheduler.pt, rng.pt, rng.json,
+state.json}. `model/` is a normal HF (or peft adapter) directory, so `rlvr eval` and `from_pretrained`
+read it.
+
+Run files are data, not code: every .pt file here holds only tensors, numbers, strings and
+containers, and is read with `torch.load(weights_only=True)`, which refuses anything else. A
+pickle can run arbitrary code when loaded, and run directories get copied between machines and
+people. So the RNG states that are Python objects (random's tuple, numpy's array) go to rng.json,
+and rng.pt holds only torch's RNG byte tensors.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import shutil
 from collections.abc import Callable
@@ -61,15 +69,8 @@ def save_checkpoint(
     tokenizer.save_pretrained(tmp / "model")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(
-        {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "generator": generator_rng,
-        },
-        tmp / "rng.pt",
-    )
+    torch.save({"torch": torch.get_rng_state(), "generator": generator_rng}, tmp / "rng.pt")
+    (tmp / "rng.json").write_text(json.dumps(rng_to_json()))
     (tmp / "state.json").write_text(
         json.dumps({"step": step, "sampler": sampler_state, **extra_state}, indent=1)
     )
@@ -116,11 +117,53 @@ def load_training_state(
     checkpoint: Path, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> tuple[dict[str, Any], torch.Tensor]:
     """Restore optimizer, scheduler and global RNGs; return (state.json contents, generator RNG state)."""
-    optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=False))
-    scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=False))
-    rng = torch.load(checkpoint / "rng.pt", weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
+    optimizer.load_state_dict(load_data(checkpoint / "optimizer.pt"))
+    scheduler.load_state_dict(load_data(checkpoint / "scheduler.pt"))
+    rng = load_data(checkpoint / "rng.pt")
+    rng_json = checkpoint / "rng.json"
+    if not rng_json.is_file():
+        raise ConfigError(
+            f"checkpoint {checkpoint} has no rng.json: it was written by an older rlvr, whose "
+            "pickled RNG state is not loaded (start a new run)"
+        )
+    rng_from_json(json.loads(rng_json.read_text()))
     torch.set_rng_state(rng["torch"])
     state = json.loads((checkpoint / "state.json").read_text())
     return state, rng["generator"]
+
+
+def load_data(path: Path) -> Any:
+    """`torch.load` of a run file that may hold tensors and plain containers only (never code)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else "not plain data"
+        raise ConfigError(
+            f"{path} holds more than tensors and plain data, so it is not loaded ({first[:200]})"
+        ) from None
+    except (OSError, RuntimeError) as err:
+        raise ConfigError(f"{path} could not be read: {str(err).splitlines()[0][:200]}") from None
+
+
+def rng_to_json() -> dict[str, Any]:
+    """Python's and numpy's global RNG states as JSON (exact: ints, and floats round-trip by repr)."""
+    version, internal, gauss = random.getstate()
+    algorithm, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": {
+            "algorithm": algorithm,
+            "keys": [int(k) for k in keys],
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+    }
+
+
+def rng_from_json(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    keys = np.array(n["keys"], dtype=np.uint32)
+    np.random.set_state((n["algorithm"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))

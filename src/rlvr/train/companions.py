@@ -14,6 +14,7 @@ from rlvr.models import LoraSettings, Policy, load_policy
 from rlvr.optim import adamw
 from rlvr.records import Trajectory
 from rlvr.train.batch import TrainBatch, collate
+from rlvr.train.checkpoint import load_data
 from rlvr.train.critic import ValueModel, build_critic, critic_update
 from rlvr.train.selection import Credit
 from rlvr.train.update import micro_batches, per_token_scores, trains_on
@@ -96,9 +97,7 @@ class RunCritic:
 
     def load(self, checkpoint_dir: Path) -> None:
         self.model.load_into(checkpoint_dir / "critic")
-        self.optimizer.load_state_dict(
-            torch.load(checkpoint_dir / "critic" / "optimizer.pt", weights_only=False)
-        )
+        self.optimizer.load_state_dict(load_data(checkpoint_dir / "critic" / "optimizer.pt"))
 
 
 def build_teacher(cfg: RunConfig, policy: Policy) -> Any:
