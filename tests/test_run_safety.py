@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +136,204 @@ def test_dpo_reference_cache_is_keyed_on_model_and_averaging(
     assert calls == ["average=False", "average=True", "average=True"]
     assert not torch.equal(other_logps["train"][0], averaged["train"][0])
     torch.load(cache, weights_only=True)  # the cache itself is plain data
+
+
+# ---------------------------------------------------------------------------------------------- run dir
+def test_a_second_run_into_the_same_directory_is_refused_until_overwrite(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from rlvr.cli import app
+
+    run = tmp_path / "run"
+    args = [
+        "train",
+        str(tiny_config_dir / "tiny.yaml"),
+        "--output-dir",
+        str(run),
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        "tracking.progress=false",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "eval.n=2",
+    ]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    before = (run / "metrics.jsonl").read_text()
+    again = CliRunner().invoke(app, args)
+    assert isinstance(again.exception, ConfigError)
+    message = str(again.exception)
+    assert "already holds a run" in message and "--resume" in message
+    assert "--overwrite" in message and "\n" not in message
+    assert (run / "metrics.jsonl").read_text() == before  # nothing appended, nothing replaced
+
+    fresh = CliRunner().invoke(app, [*args, "--overwrite"])
+    assert fresh.exit_code == 0, fresh.output
+    steps = [m["step"] for m in read_metrics(run) if "loss" in m]
+    assert steps == [1, 2]  # one run's rows, each step once
+    (aside,) = tmp_path.glob("run.old-*")  # the old run was moved, not deleted
+    assert (aside / "metrics.jsonl").read_text() == before
+
+
+def test_resume_without_a_checkpoint_says_so_before_loading_anything(tmp_path: Path) -> None:
+    from rlvr.train.run_dir import check_run_dir
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=r"no checkpoint there to resume from.*--overwrite"):
+        check_run_dir(tmp_path / "run", resume=True, overwrite=False)
+
+
+def test_a_model_that_fails_to_load_leaves_no_run_directory(
+    tiny_config_dir: Path, tmp_path: Path
+) -> None:
+    bad_model = tmp_path / "not-a-model"
+    bad_model.mkdir()
+    (bad_model / "config.json").write_text("{}")  # a directory, but no model in it
+    cfg = tiny_cfg(tiny_config_dir, bad_model, tmp_path / "run")
+    with pytest.raises(ConfigError, match="could not load model"):
+        train(cfg, config_dir=tiny_config_dir)
+    assert not (tmp_path / "run").exists()
+
+
+def test_resumed_summary_starts_at_the_base_eval(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ("train.steps=4", "checkpoint.every=2", "eval.n=2")
+    cfg = tiny_cfg(tiny_config_dir, tiny_model_dir, tmp_path / "run", *common)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_2(step: int, _metrics: dict[str, object]) -> None:
+        if step == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train(cfg, config_dir=tiny_config_dir, on_step_end=stop_after_2)
+    capsys.readouterr()
+    summary = train(cfg, resume=True, config_dir=tiny_config_dir)
+    assert "resuming from step 2 (checkpoint " in capsys.readouterr().err
+    assert [step for step, _ in summary.eval_history] == [0, 4]
+    base = next(m for m in read_metrics(tmp_path / "run") if m["step"] == 0)
+    assert summary.eval_history[0][1]["eval/accuracy"] == base["eval/accuracy"]
+
+
+# ---------------------------------------------------------------------------------------------- signals
+PACE = """
+import time
+
+
+def pace(completion, **_):
+    # Slows each step to ~0.5 s, so a signal sent when a step's metrics appear lands mid-run.
+    time.sleep(0.06)
+    return 0.0
+"""
+
+
+def signal_config(tiny_config_dir: Path, tiny_model_dir: Path) -> Path:
+    import yaml
+
+    (tiny_config_dir / "pace.py").write_text(PACE)
+    cfg = yaml.safe_load((tiny_config_dir / "tiny.yaml").read_text())
+    cfg["model"]["name"] = str(tiny_model_dir)
+    cfg["rewards"].append({"fn": "pace.py:pace", "name": "pace", "weight": 0.0})
+    cfg["sampling"].update({"prompts_per_step": 2, "group_size": 4})
+    cfg["train"]["steps"] = 6
+    cfg["eval"]["n"] = 4
+    cfg["tracking"]["progress"] = False
+    path = tiny_config_dir / "signal.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def launch(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlvr.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_step(proc: subprocess.Popen[str], run: Path, step: int) -> None:
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and any(
+            m["step"] >= step and "loss" in m for m in read_metrics(run) if "event" not in m
+        ):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before step {step}: {proc.communicate()}")
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError(f"step {step} never appeared")
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_matches_the_uninterrupted_run(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = signal_config(tiny_config_dir, tiny_model_dir)
+    run = tmp_path / "run"
+    proc = launch("train", str(config), "--output-dir", str(run))
+    wait_for_step(proc, run, 2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    found = re.search(r"interrupted at step (\d+); resume with: rlvr train --resume (\S+)", err)
+    assert found, err
+    stopped = int(found.group(1))
+    assert 2 <= stopped < 6 and found.group(2) == str(run)
+    assert (run / "checkpoints" / f"step-{stopped:06d}" / "state.json").exists()
+    assert max(m["step"] for m in read_metrics(run)) == stopped  # the step finished, no more
+
+    resumed = launch("train", "--resume", str(run))
+    out, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err
+    assert f"resuming from step {stopped} (checkpoint {run}/checkpoints/step-{stopped:06d})" in err
+    assert re.search(r"held-out accuracy.*\(step 0\) -> .*\(step 6\)", out), out
+
+    full = train(
+        load_config(config, [f"output_dir={tmp_path / 'full'}"]), config_dir=tiny_config_dir
+    )
+    a, b = by_step(full.run_dir), by_step(run)
+    assert sorted(a) == sorted(b) == list(range(7))
+    for step in range(7):
+        assert a[step] == b[step], f"step {step} differs after the interrupted run resumed"
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = signal_config(tiny_config_dir, tiny_model_dir)
+    run = tmp_path / "run"
+    proc = launch("train", str(config), "--output-dir", str(run))
+    wait_for_step(proc, run, 1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    stopped = int(re.search(r"interrupted at step (\d+)", err).group(1))  # type: ignore[union-attr]
+    assert (run / "checkpoints" / f"step-{stopped:06d}" / "state.json").exists()
+
+
+def test_a_second_ctrl_c_stops_at_once(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = signal_config(tiny_config_dir, tiny_model_dir)
+    run = tmp_path / "run"
+    proc = launch("train", str(config), "--output-dir", str(run))
+    wait_for_step(proc, run, 1)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)  # mid-step: the step would take ~0.5 s more to finish
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted at step" not in err  # no step was finished, no checkpoint saved for it
+    assert not list(run.glob("checkpoints/step-*"))

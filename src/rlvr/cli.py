@@ -46,8 +46,21 @@ def train(
             "else under the run's saved config.yaml.",
         ),
     ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Start over in a RUN_DIR that already holds a run: the old run is moved aside to "
+            "RUN_DIR.old-<YYYYmmdd-HHMMSS> (nothing is deleted). Without it such a RUN_DIR is "
+            "refused.",
+        ),
+    ] = False,
 ) -> None:
-    """Train a policy as CONFIG says; metrics, rollouts and checkpoints go to the run directory."""
+    """Train a policy as CONFIG says; metrics, rollouts and checkpoints go to the run directory.
+
+    Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and exits (130 / 143) with
+    the command that resumes; a second Ctrl-C exits at once, without a checkpoint.
+    """
     from rlvr.config import load_config
     from rlvr.errors import ConfigError
 
@@ -75,7 +88,9 @@ def train(
     _quiet_libraries()
     from rlvr.train.loop import train as run_training
 
-    summary = run_training(cfg, resume=resume is not None, config_dir=config_dir)
+    summary = run_training(
+        cfg, resume=resume is not None, config_dir=config_dir, overwrite=overwrite
+    )
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
         _print_summary(summary, cfg.tracking.project if cfg.tracking.trackio else None)
 
@@ -288,7 +303,14 @@ def pipeline_command(
         overrides.append(f"output_dir={output_dir}")
     cfg = load_pipeline_config(config, overrides)
     _quiet_libraries()
-    rows = run_pipeline(cfg, config_dir=config.parent)
+    from rlvr.errors import RunInterrupted
+
+    try:
+        rows = run_pipeline(cfg, config_dir=config.parent)
+    except RunInterrupted as err:
+        # A pipeline resumes by running the same command again, not with `rlvr train --resume`.
+        again = " ".join(["rlvr pipeline", str(config), *(f"--set {o}" for o in overrides)])
+        raise RunInterrupted(err.step, err.run_dir, err.signum, hint=again) from None
     from rich.console import Console
     from rich.table import Table
 
@@ -398,10 +420,13 @@ def serve_command(
 
 
 def main() -> None:
-    from rlvr.errors import RlvrError
+    from rlvr.errors import RlvrError, RunInterrupted
 
     try:
         app()
+    except RunInterrupted as err:
+        print(err, file=sys.stderr)
+        sys.exit(err.exit_code)
     except RlvrError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

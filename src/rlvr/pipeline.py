@@ -211,7 +211,8 @@ def _run_stage(
         except ValidationError as err:
             raise ConfigError(_format_validation_error(err, f"stage '{stage.name}'")) from None
         resume = bool(checkpoint_dirs(stage_dir))
-        summary = train(cfg, resume=resume, config_dir=base)
+        # An unfinished stage without a checkpoint starts over (its partial files moved aside).
+        summary = train(cfg, resume=resume, overwrite=not resume, config_dir=base)
         if summary.stopped_early:
             # Not finished: no marker, so later stages do not build on it; a rerun resumes it.
             raise ConfigError(

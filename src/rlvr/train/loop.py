@@ -72,6 +72,7 @@ from rlvr.train.checkpoint import (
 )
 from rlvr.train.companions import RunCritic, build_teacher
 from rlvr.train.rollouts import RolloutPlan, torch_dist_context
+from rlvr.train.run_dir import StopSignals, check_run_dir, eval_history, open_run_dir
 from rlvr.train.selection import assign_credit, collect_groups
 from rlvr.train.sources import Sources
 from rlvr.train.update import policy_update, reference_logprobs
@@ -106,18 +107,20 @@ def train(
     config_dir: Path | None = None,
     on_step_end: StepHook | None = None,
     tasks: TaskSplits | None = None,
+    overwrite: bool = False,
 ) -> RunSummary:
     """Run (or resume) a training run as configured; everything lands in `cfg.output_dir`.
 
     `tasks` replaces the config's task source (e.g. `dataset_tasks(cfg, rows=my_datasets_Dataset)`).
     `on_step_end(step, metrics)` is called after each step's metrics and checkpoint are written.
+    A fresh run into a directory that holds one is refused unless `overwrite` (the old run is
+    moved aside); SIGINT / SIGTERM end the run after the current step with a checkpoint, raising
+    `RunInterrupted` (rlvr.train.run_dir).
     """
     started = time.time()
     cfg = absolutize_reward_files(cfg, config_dir)
     run_dir = Path(cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # The effective config (a resume may change fields with --set), so `rlvr eval RUN_DIR` sees it.
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    check_run_dir(run_dir, resume=resume, overwrite=overwrite)  # before anything slow loads
     seed_everything(cfg.train.seed)
 
     # Under torchrun: this process is one rank; rank 0 alone writes metrics and checkpoints.
@@ -126,6 +129,10 @@ def train(
         raise ConfigError("--resume under distributed.strategy fsdp is not supported yet; use ddp")
     sources = Sources(cfg, config_dir, tasks)
     policy = build_policy(cfg)
+    # Made only now: a config, task or model that fails to load leaves no half-made run directory.
+    open_run_dir(run_dir, overwrite=overwrite, main=dist is None or dist.is_main)
+    # The effective config (a resume may change fields with --set), so `rlvr eval RUN_DIR` sees it.
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     tokenizer = policy.tokenizer
     group_size = cfg.sampling.group_size
     sampling = SamplingParams(
@@ -174,6 +181,7 @@ def train(
             )
 
         start_step = 0
+        checkpoint = None
         if resume:
             checkpoint = latest_checkpoint(run_dir)
             load_weights_into(policy.model, checkpoint, policy.lora)
@@ -202,8 +210,19 @@ def train(
             total=cfg.train.steps, start=start_step, enabled=cfg.tracking.progress and is_main
         )
         closers.append(progress.close)
+        if resume and is_main:
+            progress.console.print(
+                escape(f"resuming from step {start_step} (checkpoint {checkpoint})"),
+                soft_wrap=True,  # a path to copy, never broken across lines
+            )
         if resume and tracker.metrics_path.exists():
-            monitors.replay(read_metrics(run_dir))  # the history up to the checkpoint
+            history = read_metrics(run_dir)
+            monitors.replay(history)  # the history up to the checkpoint
+            # The summary's evals as if the run had never stopped: the base model's eval first.
+            summary.eval_history = eval_history(history)
+        # Ctrl-C / SIGTERM from here on: the step finishes, a checkpoint is saved, then we stop.
+        stop_signals = StopSignals()
+        closers.append(stop_signals.restore)
 
         def save(step: int) -> None:
             plan.before_save()  # async: producer idle; fsdp: full weights gathered (collective)
@@ -230,6 +249,9 @@ def train(
             monitors.observe(0, base)
             tracker.log(base, step=0)
             progress.note(f"held-out accuracy before training: {base['eval/accuracy']:.1%}")
+            if stop_signals.requested(dist):
+                save(0)
+                raise stop_signals.interrupted(0, run_dir)
 
         first_step_started = time.time()
         for step in range(start_step + 1, cfg.train.steps + 1):
@@ -315,7 +337,10 @@ def train(
             summary.steps_done = step
             progress.update(step, metrics)
             _check_reward_errors(flatten(sampled), step, cfg.train.max_reward_error_fraction)
-            if summary.stopped_early or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+            saved = summary.stopped_early or (
+                cfg.checkpoint.every and step % cfg.checkpoint.every == 0
+            )
+            if saved:
                 save(step)
             if on_step_end is not None:
                 on_step_end(step, metrics)
@@ -324,6 +349,10 @@ def train(
                     f"stopped early at step {step}: {escape(summary.stopped_early)}"
                 )
                 break
+            if stop_signals.requested(dist):  # this step is complete: checkpoint it, then stop
+                if not saved:
+                    save(step)
+                raise stop_signals.interrupted(step, run_dir)
             limit = cfg.train.time_limit_minutes
             out_of_time = limit is not None and time.time() - first_step_started >= 60.0 * limit
             if dist is not None:
