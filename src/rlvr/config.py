@@ -655,10 +655,20 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     "reinforce_pp": {"objective": {"kl_in_reward": True, "kl_estimator": "k1"}},
     "reinforce_pp_baseline": {"objective": {"kl_in_reward": True, "kl_estimator": "k1"}},
     # Schulman et al. 2017 + GAE (2016): per-token advantages from a critic; gamma 1 for LM episodes.
-    "ppo": {"objective": {"gae_lambda": 0.95, "gamma": 1.0, "kl_estimator": "k1"}},
+    # The KL per token in the reward, k1, as InstructGPT (Ouyang et al. 2022): as a loss term k1's
+    # expected gradient is 0, so with the KL in the loss beta would pull nothing.
+    "ppo": {
+        "objective": {"gae_lambda": 0.95, "gamma": 1.0, "kl_estimator": "k1", "kl_in_reward": True}
+    },
     # Agarwal et al. 2024 / Lu et al. 2025: reverse KL to a teacher on the student's samples.
     "distill": {"objective": {"loss_aggregation": "token-mean"}},
 }
+
+
+# Algorithms whose advantage is not GRPO's group-relative one (ppo's GAE is refused separately):
+# `objective.credit: turn` would drop their estimator. Kept in sync with rlvr.algorithms.ALGORITHMS
+# by tests/test_algorithm_defects.py (importing it here would load torch with the config).
+_NOT_GROUP_RELATIVE = ("rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 
 def _merge_under(defaults: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
@@ -756,6 +766,25 @@ class RunConfig(_Section):
                 "or filter.group_filter"
             )
         obj = self.objective
+        if obj.kl_estimator == "k1" and not obj.kl_in_reward:
+            # Checked whatever beta is: a monitor's `mitigate` action may raise it during the run.
+            raise ValueError(
+                "objective.kl_estimator k1 in the loss has zero expected gradient "
+                "(E[grad log pi] = 0), so beta would never pull towards the reference: use k2 "
+                "(exact reverse-KL gradient on-policy) or k3 (follows KL(ref || pi)), or set "
+                "objective.kl_in_reward: true"
+            )
+        if obj.credit == "turn" and self.algorithm in _NOT_GROUP_RELATIVE:
+            raise ValueError(
+                f"objective.credit turn replaces the outcome advantage with group-relative turn "
+                f"returns, so {self.algorithm}'s estimator would be unused: use credit bi-level "
+                f"({self.algorithm}'s advantage plus the turn term) or trajectory"
+            )
+        if self.algorithm == "reinforce_pp" and obj.kl_in_reward and obj.credit != "trajectory":
+            raise ValueError(
+                "reinforce_pp with the KL in the reward assigns credit per token (reward-to-go, "
+                "each turn's reward on its last token): objective.credit must be trajectory"
+            )
         if self.algorithm == "ppo" and obj.credit != "trajectory":
             raise ValueError(
                 "objective.credit is not used by ppo: GAE assigns credit per token from the critic "

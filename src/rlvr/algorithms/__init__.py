@@ -24,6 +24,7 @@ from rlvr.algorithms.losses import (
     gspo_loss,
     ppo_clip_loss,
     truncated_importance_weights,
+    zero_outside,
 )
 from rlvr.algorithms.preference import (
     DPO_LOSS_TYPES,
@@ -121,4 +122,5 @@ __all__ = [
     "rloo_advantages",
     "sft_loss",
     "truncated_importance_weights",
+    "zero_outside",
 ]

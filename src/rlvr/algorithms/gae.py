@@ -170,16 +170,23 @@ def whiten(
     var is Bessel-corrected as in TRL and verl. Statistics are over every masked-in element of the
     tensor, so whiten the whole batch at once (flatten and concatenate micro-batches of different
     widths), not micro-batch by micro-batch. Any shape; returns float32, 0 where mask is 0.
+
+    Values that are all equal give y = 0 exactly (x - mean is then float32 rounding, ~6e-8 for 0.7,
+    and dividing it by sqrt(var + eps) with var of the same order would make it O(1)).
     """
-    mask = mask_B_T.float()
-    x = x_B_T.float()
+    on = mask_B_T != 0
+    x = torch.where(on, x_B_T.float(), 0.0)
+    mask = on.float()
     count = mask.sum()
-    mean = (x * mask).sum() / count.clamp(min=1.0)
-    var = (((x - mean) * mask) ** 2).sum() / (count - 1).clamp(min=1.0)
-    y = (x - mean) * torch.rsqrt(var + eps)
+    mean = x.sum() / count.clamp(min=1.0)
+    values = x[on]
+    varies = values.numel() > 1 and bool(values.max() > values.min())
+    deviation = torch.where(on, x - mean, 0.0) if varies else torch.zeros_like(x)
+    var = (deviation**2).sum() / (count - 1).clamp(min=1.0)
+    y = deviation * torch.rsqrt(var + eps)
     if not shift_mean:
         y = y + mean
-    return y * mask
+    return torch.where(on, y, 0.0)
 
 
 def value_loss(

@@ -2,7 +2,10 @@
 
 Per-token tensors are (B, T) over the *target* positions: `logprobs_B_T[b, t]` is the log-prob of token
 t+1 of row b given tokens <= t. `mask_B_T` is 1 exactly where the policy sampled that token (prompt,
-padding and tool observations are 0), so nothing outside it can receive gradient.
+padding and tool observations are 0), so nothing outside it can receive gradient. Masks select with
+`torch.where` (`zero_outside`), never by multiplying: inf * 0 and nan * 0 are nan, so a non-finite
+value at a masked position (a padding token's log-prob, an unscored row's reference) would
+otherwise poison the whole loss.
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ class PolicyLossOutput:
     loss_B_T: torch.Tensor
     clipped_low_B_T: torch.Tensor
     clipped_high_B_T: torch.Tensor
+
+
+def zero_outside(values_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> torch.Tensor:
+    """values * mask where mask != 0, exactly 0 elsewhere (whatever the value there: inf, nan).
+
+    The backward sends exactly 0 to masked positions too. It cannot undo a non-finite *local*
+    derivative further up (0 * inf is still nan there), so callers that differentiate through
+    masked positions also keep their inputs finite (rlvr.train.update does)."""
+    return torch.where(mask_B_T != 0, values_B_T * mask_B_T.to(values_B_T.dtype), 0.0)
 
 
 def register_policy_loss(
@@ -95,9 +107,9 @@ def gspo_loss(
         mask_B_T = torch.ones_like(logprobs_B_T)
     mask = mask_B_T.to(logprobs_B_T.dtype)
     high = epsilon if epsilon_high is None else epsilon_high
-    log_ratio_B = ((logprobs_B_T - old_logprobs_B_T) * mask).sum(dim=1) / mask.sum(dim=1).clamp(
-        min=1.0
-    )
+    log_ratio_B = zero_outside(logprobs_B_T - old_logprobs_B_T, mask).sum(dim=1) / mask.sum(
+        dim=1
+    ).clamp(min=1.0)
     seq_ratio_B_T = torch.exp(log_ratio_B.detach()[:, None] + logprobs_B_T - logprobs_B_T.detach())
     unclipped_B_T = seq_ratio_B_T * advantages_B_T
     clipped_B_T = torch.clamp(seq_ratio_B_T, 1.0 - epsilon, 1.0 + high) * advantages_B_T
@@ -187,24 +199,50 @@ def _register_kl(
 
 
 # Schulman's estimators of KL(pi || ref) from samples of pi ("Approximating KL divergence", 2020).
-# With log_r = logp_ref - logp for a token sampled from pi:
+# With log_r = logp_ref - logp for a token sampled from pi. Two different questions: what each
+# estimates as a *value* (what the KL in the reward uses, no gradient taken), and what its gradient
+# follows as a *loss* term on on-policy samples (tokens from pi, no gradient through the sampling):
+#
+#   name  value (E_pi)        expected gradient of the loss term
+#   k1    KL(pi||ref), exact   E_pi[grad log pi] = 0: pulls nothing (refused in the loss by the config)
+#   k2    biased, >= 0         E_pi[(log pi - log ref) grad log pi] = grad KL(pi||ref), exactly
+#   k3    KL(pi||ref), exact   E_pi[(1 - ref/pi) grad log pi] = -E_ref[grad log pi] = grad KL(ref||pi)
+#
+# So in the loss k2 follows the reverse KL(pi || ref) and k3 the forward KL(ref || pi) (GRPO's choice,
+# mass-covering); both vanish at pi = ref and pull towards it. tests/test_algorithm_defects.py checks
+# the table on an exact categorical distribution.
+K3_CLAMP = 10.0  # |k3| per token, as verl bounds it; see kl_k3
+_K3_LOG_RATIO_CLAMP = 20.0  # exp(20) = 4.9e8: finite, with a finite derivative
+
+
 @_register_kl("k1")
 def kl_k1(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor) -> torch.Tensor:
-    """k1 = -log_r: unbiased, high variance, can be negative per token."""
+    """k1 = -log_r = log pi - log ref: an unbiased estimate of KL(pi || ref), high variance, negative
+    for some tokens. Use it in the reward (`objective.kl_in_reward`, InstructGPT / REINFORCE++ / PPO):
+    as a loss term its expected gradient is E_pi[grad log pi] = 0, so it never pulls pi to ref."""
     return logprobs_B_T - ref_logprobs_B_T
 
 
 @_register_kl("k2")
 def kl_k2(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor) -> torch.Tensor:
-    """k2 = (log_r)^2 / 2: biased, low variance, >= 0; its gradient is that of the true KL to first order."""
+    """k2 = (log_r)^2 / 2: a biased estimate of KL(pi || ref), low variance, >= 0. As a loss term on
+    on-policy samples its expected gradient E_pi[(log pi - log ref) grad log pi] is exactly
+    grad KL(pi || ref), the reverse KL (not an approximation)."""
     return 0.5 * (ref_logprobs_B_T - logprobs_B_T) ** 2
 
 
 @_register_kl("k3")
 def kl_k3(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor) -> torch.Tensor:
-    """k3 = exp(log_r) - 1 - log_r: unbiased, >= 0, low variance; GRPO's choice (DeepSeekMath eq. 4)."""
-    log_r = ref_logprobs_B_T - logprobs_B_T
-    return torch.exp(log_r) - 1.0 - log_r
+    """k3 = exp(log_r) - 1 - log_r: an unbiased estimate of KL(pi || ref), >= 0, low variance; GRPO's
+    choice (DeepSeekMath eq. 4). As a loss term its expected gradient is grad KL(ref || pi), the
+    *forward* KL (see the table above), not the reverse KL it estimates.
+
+    Clamped, as verl does: the value to [-K3_CLAMP, K3_CLAMP] = [-10, 10] (k3 >= 0, so in effect at
+    most 10), and log_r to [-20, 20] before the exp, so a token far from the reference (log_r = 89
+    overflows float32's exp) gives 10 with a zero, finite gradient instead of inf or nan. Such a token
+    then adds no KL gradient: the policy loss, not the penalty, moves it."""
+    log_r = (ref_logprobs_B_T - logprobs_B_T).clamp(-_K3_LOG_RATIO_CLAMP, _K3_LOG_RATIO_CLAMP)
+    return (torch.exp(log_r) - 1.0 - log_r).clamp(-K3_CLAMP, K3_CLAMP)
 
 
 def aggregate(
@@ -224,17 +262,21 @@ def aggregate(
       length bias (Dr.GRPO, Liu et al. 2025); `norm_length` defaults to T.
 
     `total_tokens` / `total_sequences` are the counts over the *whole* batch when this is one of several
-    micro-batches, so that accumulating micro-batch losses gives exactly the full-batch loss.
+    micro-batches, so that accumulating micro-batch losses gives exactly the full-batch loss. Every
+    normaliser is at least 1: a batch with no policy token (or a count of 0) gives 0, not 0 / 0 = nan.
+    Masked positions count as exactly 0 whatever they hold (`zero_outside`).
     """
     mask = mask_B_T.to(loss_B_T.dtype)
+    masked_B_T = zero_outside(loss_B_T, mask)
     if mode == "token-mean":
-        denom = total_tokens if total_tokens is not None else mask.sum().clamp(min=1.0)
-        return (loss_B_T * mask).sum() / denom
-    n_seq = total_sequences if total_sequences is not None else float(loss_B_T.shape[0])
+        if total_tokens is None:
+            return masked_B_T.sum() / mask.sum().clamp(min=1.0)
+        return masked_B_T.sum() / max(float(total_tokens), 1.0)
+    n_seq = max(float(loss_B_T.shape[0] if total_sequences is None else total_sequences), 1.0)
     if mode == "seq-mean-token-mean":
-        per_seq_B = (loss_B_T * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+        per_seq_B = masked_B_T.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
         return per_seq_B.sum() / n_seq
     if mode == "seq-mean-token-sum-norm":
-        length = norm_length if norm_length is not None else float(loss_B_T.shape[1])
-        return (loss_B_T * mask).sum() / (n_seq * length)
+        length = max(float(loss_B_T.shape[1] if norm_length is None else norm_length), 1.0)
+        return masked_B_T.sum() / (n_seq * length)
     raise ValueError(f"unknown loss aggregation {mode!r}; one of {', '.join(AGGREGATIONS)}")

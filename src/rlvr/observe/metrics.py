@@ -38,7 +38,9 @@ def rollout_metrics(
     out: dict[str, float] = {
         "reward": statistics.fmean(t.reward for t in usable) if usable else float("nan"),
         "reward_std": float(std_P.mean()),
-        "frac_reward_zero_std": float((std_P < 1e-8).float().mean()),
+        # group_reward_std is exactly 0 for a group with all-equal rewards (and > 0 otherwise): the
+        # same rule the zero-std filter and the advantages use, whatever the float32 rounding.
+        "frac_reward_zero_std": float((std_P == 0).float().mean()),
         "completions/mean_length": statistics.fmean(lengths),
         "completions/max_length": float(max(lengths)),
         "completions/min_length": float(min(lengths)),

@@ -93,7 +93,8 @@ def collate(
         completion_mask,
         mask,
         behaviour,
-        advantages * mask,
+        # Selected, not multiplied: a non-finite advantage outside the mask must not survive as nan.
+        torch.where(mask != 0, advantages, 0.0),
     )
 
 
@@ -104,6 +105,19 @@ def autocast_context(
     if not enabled:
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=torch.bfloat16)
+
+
+def disable_dropout(model: Any) -> None:
+    """Set every dropout probability of `model` to 0: nn.Dropout modules (LoRA's included) and the
+    `attention_dropout` rate Llama-style attention reads from an attribute. The RL update optimises
+    the policy that sampled, and the generator samples without dropout (eval mode); the update runs
+    in train mode (gradient checkpointing only works there), so its dropout must be off by hand, or
+    pi_theta would be another, random policy and the first ratio pi_theta / pi_old would not be 1."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def token_logprobs(

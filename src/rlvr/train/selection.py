@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlvr.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, group_reward_std
+from rlvr.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, group_reward_std, zero_outside
 from rlvr.algorithms.credit import token_advantages, turn_advantages
 from rlvr.algorithms.filtering import select_groups
 from rlvr.algorithms.gae import (
@@ -108,11 +108,21 @@ def assign_credit(
     - token-level REINFORCE++ (reinforce_pp with the KL in the reward): reward-to-go per token,
       whitened over the batch;
     - an outcome estimator (grpo, rloo, ...): one advantage per trajectory (the KL summed into its
-      reward), spread over tokens as `objective.credit` says.
+      reward), spread over tokens as `objective.credit` says. Turn credit sees the same shaped,
+      KL-penalised reward, split by turn (`_shaped_turn_rewards`).
+
+    Rows that did not score (a reward function raised) get no advantage and no KL: their reference
+    log-probs are zeros (never computed), so their "KL" would be garbage (and the `kl` metric, which
+    the KL blow-up monitor reads, with it).
     """
     if not trajectories:
         return Credit([])
     obj, group_size = cfg.objective, cfg.sampling.group_size
+    if obj.credit == "turn" and estimator != "grpo":
+        # Turn credit is group-relative over turn returns: another estimator would be silently unused.
+        raise ValueError(
+            f"objective.credit 'turn' needs a group-relative estimator, not {estimator!r}"
+        )
     metrics: dict[str, float] = {}
     shaping_B = torch.zeros(len(trajectories))
     if obj.overlong_buffer_fraction is not None:
@@ -125,12 +135,16 @@ def assign_credit(
     if ref_logprobs is not None and obj.beta > 0:
         kl_fn = KL_ESTIMATORS[obj.kl_estimator]
         kl_rows = []
-        # KL of the sampling policy's tokens (the behaviour log-probs) from the reference's.
+        # KL of the sampling policy's tokens (the behaviour log-probs) from the reference's, on the
+        # rows that scored only (an unscored row's reference log-probs were never computed).
         for t, ref, mask in zip(trajectories, ref_logprobs, masks, strict=True):
+            if not t.usable:
+                kl_rows.append([0.0] * len(mask))
+                continue
             behaviour = torch.tensor(t.logprobs[t.prompt_length :], dtype=torch.float32)
             kl = kl_fn(behaviour, torch.tensor(list(ref), dtype=torch.float32))
-            kl_rows.append((kl * torch.tensor(mask)).tolist())
-        n_tokens = sum(sum(m) for m in masks)
+            kl_rows.append(zero_outside(kl, torch.tensor(mask)).tolist())
+        n_tokens = sum(sum(m) for t, m in zip(trajectories, masks, strict=True) if t.usable)
         metrics["kl"] = sum(sum(r) for r in kl_rows) / max(n_tokens, 1.0)
 
     token_level = estimator == "gae" or (estimator == "reinforce_pp" and kl_rows is not None)
@@ -175,7 +189,7 @@ def assign_credit(
             metrics=metrics,
         )
     per_turn = turn_advantages(
-        [list(t.turn_rewards) for t in trajectories],
+        _shaped_turn_rewards(trajectories, shaping_B.tolist(), kl_rows, obj.beta),
         valid_B.tolist(),
         group_size,
         gamma=obj.gamma,
@@ -190,6 +204,35 @@ def assign_credit(
         ],
         metrics=metrics,
     )
+
+
+def _shaped_turn_rewards(
+    trajectories: Sequence[Trajectory],
+    shaping: Sequence[float],
+    kl_rows: Sequence[Sequence[float]] | None,
+    beta: float,
+) -> list[list[float]]:
+    """Each trajectory's turn rewards with what the outcome reward also gets folded in, so turn and
+    bi-level credit see the same objective as trajectory credit: the overlong shaping on the last
+    turn (the length it punishes is the whole episode's), and -beta x the KL of each turn's own
+    policy tokens on that turn (a policy token outside every turn span goes to the last turn)."""
+    out = []
+    for i, t in enumerate(trajectories):
+        rewards = list(t.turn_rewards)
+        if not rewards:  # no turns: turn credit gives it nothing to begin with
+            out.append(rewards)
+            continue
+        rewards[-1] += shaping[i]
+        if kl_rows is not None:
+            n_p, kl = t.prompt_length, kl_rows[i]
+            counted = 0.0
+            for k, span in enumerate(t.turns[: len(rewards)]):
+                turn_kl = sum(kl[span.start - n_p : span.end - n_p])
+                rewards[k] -= beta * turn_kl
+                counted += turn_kl
+            rewards[-1] -= beta * (sum(kl) - counted)
+        out.append(rewards)
+    return out
 
 
 def _overlong_shaping(trajectories: Sequence[Trajectory], cfg: RunConfig) -> torch.Tensor:

@@ -25,6 +25,7 @@ from rlvr.algorithms import (
     aggregate,
     full_reverse_kl,
     truncated_importance_weights,
+    zero_outside,
 )
 from rlvr.build import use_bf16
 from rlvr.config import RunConfig
@@ -32,7 +33,13 @@ from rlvr.models import Policy
 from rlvr.observe.flops import backward_flops, forward_flops, linear_weights
 from rlvr.records import Trajectory
 from rlvr.scale.torch_dist import DistContext, contiguous_cuts
-from rlvr.train.batch import TrainBatch, collate, token_distributions, token_logprobs
+from rlvr.train.batch import (
+    TrainBatch,
+    collate,
+    disable_dropout,
+    token_distributions,
+    token_logprobs,
+)
 
 
 def micro_batches(
@@ -243,28 +250,44 @@ def policy_update(
         "norm_length": float(cfg.sampling.max_new_tokens),
     }
     temperature = cfg.sampling.temperature
-    share, fused = plan.share_prefix, plan.fused
+    # The distillation term needs the full distribution, which the fused head never builds: with a
+    # teacher every pass below takes the unfused head, so pi_old, pi_ref and pi_theta share one path.
+    share, fused = plan.share_prefix, plan.fused and teacher is None
 
-    def logprobs_of(m: Any, b: TrainBatch) -> torch.Tensor:
-        return token_logprobs(m, b, temperature, bf16=bf16, share_prefix=share, fused=fused)[0]
+    def forward(m: Any, b: TrainBatch, *, full: bool = False) -> Any:
+        return token_distributions(
+            m,
+            b,
+            temperature,
+            with_entropy=full,
+            entropy_grad=full and obj.entropy_coef > 0,
+            bf16=bf16,
+            share_prefix=share,
+            with_full=full and teacher is not None,
+            fused=fused,
+        )
 
-    model.eval()  # pi_old and pi_ref are scored without dropout; the gradient pass below trains
+    # pi_old, pi_ref and the gradient pass: one mode (train, so gradient checkpointing applies
+    # alike), no dropout (the generator sampled without it: a gradient pass with dropout would score
+    # another, random policy), one forward path. The first ratio pi_theta / pi_old is then exactly 1,
+    # as it must be before any step.
+    disable_dropout(model)
+    model.train()
     with torch.no_grad():
         # On-policy (one update per batch) pi_old is the current policy: its log-probs come free from
         # the gradient pass (detached), for the ratio and for truncated IS alike; no extra forward.
         needs_old = obj.num_iterations > 1
-        old_logprobs = [logprobs_of(model, b) for b in batches] if needs_old else None
+        old_logprobs = [forward(model, b)[0] for b in batches] if needs_old else None
         ref_logprobs = None
         if kl_in_loss:
             with policy.reference() as ref:
-                ref_logprobs = [logprobs_of(ref, b) for b in batches]
+                ref_logprobs = [forward(ref, b)[0] for b in batches]
 
     sums: dict[str, float] = {}
 
     def add(name: str, value: torch.Tensor) -> None:
         sums[name] = sums.get(name, 0.0) + float(value)
 
-    model.train()
     skipped = 0
     grad_norms: list[float] = []
     for _ in range(obj.num_iterations):
@@ -272,44 +295,40 @@ def policy_update(
         finite_loss = True
         for i, b in enumerate(batches):
             mask = b.mask_B_C
-            logp_B_C, entropy_B_C, full_B_C_V = token_distributions(
-                model,
-                b,
-                temperature,
-                with_entropy=True,
-                entropy_grad=obj.entropy_coef > 0,
-                bf16=bf16,
-                share_prefix=share,
-                with_full=teacher is not None,
-                fused=fused,
-            )
+            logp_B_C, entropy_B_C, full_B_C_V = forward(model, b, full=True)
             assert entropy_B_C is not None
             if not real[i]:
                 # fsdp padding: the forward and backward keep this rank in step with the others
                 # (each is a collective); a zero loss adds nothing to the gradient.
                 (logp_B_C.sum() * 0.0).backward()
                 continue
+            # Per-token inputs are read at policy positions only. Elsewhere (observations, padding)
+            # they may hold anything, even inf or nan (an unscored reference, a padding token), and
+            # a mask applied afterwards cannot stop 0 * inf = nan in the backward of exp or a product.
+            on_B_C = mask != 0
+            logp_B_C = torch.where(on_B_C, logp_B_C, 0.0)
             old_B_C = logp_B_C.detach() if old_logprobs is None else old_logprobs[i]
+            old_B_C = torch.where(on_B_C, old_B_C, 0.0)
             out = loss_fn(
                 logp_B_C,
                 old_B_C,
-                b.advantages_B_C,
+                torch.where(on_B_C, b.advantages_B_C, 0.0),
                 mask,
                 epsilon=obj.epsilon,
                 epsilon_high=obj.epsilon_high,
             )
             per_token_B_C = out.loss_B_T * pg_weight
             if obj.tis_cap is not None:
-                weights_B_C = truncated_importance_weights(
-                    old_B_C, b.behaviour_logprobs_B_C, obj.tis_cap
-                )
+                behaviour_B_C = torch.where(on_B_C, b.behaviour_logprobs_B_C, 0.0)
+                weights_B_C = truncated_importance_weights(old_B_C, behaviour_B_C, obj.tis_cap)
                 per_token_B_C = per_token_B_C * weights_B_C
-                add("tis_weight", (weights_B_C * mask).sum())
-                add("tis_capped", ((weights_B_C >= obj.tis_cap) * mask).sum())
+                add("tis_weight", zero_outside(weights_B_C, mask).sum())
+                add("tis_capped", zero_outside((weights_B_C >= obj.tis_cap).float(), mask).sum())
             if ref_logprobs is not None:
-                kl_B_C = KL_ESTIMATORS[obj.kl_estimator](logp_B_C, ref_logprobs[i])
+                ref_B_C = torch.where(on_B_C, ref_logprobs[i], 0.0)
+                kl_B_C = KL_ESTIMATORS[obj.kl_estimator](logp_B_C, ref_B_C)
                 per_token_B_C = per_token_B_C + obj.beta * kl_B_C
-                add("kl", (kl_B_C.detach() * mask).sum())
+                add("kl", zero_outside(kl_B_C.detach(), mask).sum())
             if obj.entropy_coef > 0:
                 per_token_B_C = per_token_B_C - obj.entropy_coef * entropy_B_C
             if teacher is not None:
@@ -321,17 +340,17 @@ def policy_update(
                 assert teacher_B_C_V is not None
                 distill_B_C = full_reverse_kl(full_B_C_V, teacher_B_C_V)
                 per_token_B_C = per_token_B_C + distill_B_C
-                add("distill", (distill_B_C.detach() * mask).sum())
+                add("distill", zero_outside(distill_B_C.detach(), mask).sum())
             loss = aggregate(per_token_B_C, mask, obj.loss_aggregation, **norms)
             loss.backward()
             finite_loss = finite_loss and math.isfinite(float(loss.detach()))
             add("loss", loss.detach())
-            add("entropy", (entropy_B_C.detach() * mask).sum())
-            add("clip_ratio/low_mean", (out.clipped_low_B_T * mask).sum())
-            add("clip_ratio/high_mean", (out.clipped_high_B_T * mask).sum())
+            add("entropy", zero_outside(entropy_B_C.detach(), mask).sum())
+            add("clip_ratio/low_mean", zero_outside(out.clipped_low_B_T, mask).sum())
+            add("clip_ratio/high_mean", zero_outside(out.clipped_high_B_T, mask).sum())
             add(
                 "behaviour_logprob_diff",
-                ((logp_B_C.detach() - b.behaviour_logprobs_B_C).abs() * mask).sum(),
+                zero_outside((logp_B_C.detach() - b.behaviour_logprobs_B_C).abs(), mask).sum(),
             )
         for p in policy.trainable_parameters():
             if p.grad is None:  # every row skipped: a zero gradient, so AdamW still steps as usual
