@@ -9,6 +9,9 @@
 - k3 clamped, empty normalisers, masks that select instead of multiply, pi_old on the gradient
   pass's code path;
 - observation and prompt positions get exactly zero gradient from every term of the real update.
+
+One file for the section (past 500 lines): each defect's test sits beside the others, the pure
+functions first, the tiny-model `policy_update` tests last.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from rlvr.algorithms import (
     rloo_advantages,
 )
 from rlvr.algorithms.filtering import select_groups
-from rlvr.algorithms.gae import whiten
+from rlvr.algorithms.gae import token_level_rewards, value_loss, whiten
+from rlvr.algorithms.preference import sequence_logps, sft_loss
 from rlvr.config import EchoTrapMonitor, RunConfig, load_config
 from rlvr.errors import ConfigError
 from rlvr.models import Policy, load_policy, make_tiny_model_dir
@@ -315,6 +319,27 @@ def test_non_finite_values_at_masked_positions_do_not_reach_the_loss(bad: float)
     assert logp.grad is not None and torch.isfinite(logp.grad).all()
 
 
+def test_other_masked_reductions_ignore_non_finite_masked_values() -> None:
+    """The value loss, the KL in the reward, DPO's sequence log-prob and the SFT loss select too."""
+    nan = math.nan
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    # value loss: V [1, 2, nan], R [0, 0, 0], no clip: 0.5 * V^2 = [0.5, 2, 0 (masked)]
+    values = torch.tensor([[1.0, 2.0, nan]])
+    loss, clipped = value_loss(values, values, torch.zeros(1, 3), mask, None)
+    assert loss.tolist() == [[0.5, 2.0, 0.0]]
+    loss, clipped = value_loss(values, values, torch.zeros(1, 3), mask, 0.2)
+    assert loss.tolist() == [[0.5, 2.0, 0.0]] and clipped.tolist() == [[0.0, 0.0, 0.0]]
+    # KL in the reward: outcome 1 on the last policy token, -0.5 * KL [1, 1, nan] on policy tokens
+    rewards = token_level_rewards(
+        mask, torch.tensor([1.0]), None, torch.tensor([[1.0, 1.0, nan]]), 0.5
+    )
+    assert rewards.tolist() == [[-0.5, 0.5, 0.0]]
+    # DPO's summed log-prob and SFT's token mean
+    logps = torch.tensor([[-1.0, -2.0, -math.inf]])
+    assert sequence_logps(logps, mask).tolist() == [-3.0]
+    assert sft_loss(logps, mask).item() == 1.5
+
+
 # ------------------------------------------------------------------ tiny models, policy_update
 def _rows(
     prompt: list[int], completions: list[list[int]], masks: list[list[int]]
@@ -401,6 +426,7 @@ def test_the_first_iteration_ratio_is_one(
     model_dir = dropout_model_dir if setting == "dropout" else tiny_model_dir
     overrides = [
         f"model.name={model_dir}",
+        "model.bf16='off'",
         "objective.num_iterations=2",
         "train.micro_batch_size=8",
     ]
@@ -452,6 +478,7 @@ def test_a_nan_reference_at_an_observation_does_not_poison_the_update(
         None,
         [
             f"model.name={tiny_model_dir}",
+            "model.bf16='off'",
             "objective.beta=0.1",
             "train.micro_batch_size=8",
             "train.share_prompt_prefix=false",
@@ -487,6 +514,7 @@ def test_observation_and_prompt_positions_get_exactly_zero_gradient(
     exactly 0; the positions that predict sampled tokens must get a gradient from the term."""
     overrides = [
         f"model.name={tiny_model_dir}",
+        "model.bf16='off'",
         "train.micro_batch_size=8",
         "train.share_prompt_prefix=false",
     ]

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rlvr.algorithms.losses import zero_outside
 from rlvr.records import Trajectory
 
 TurnRewards = Sequence[Sequence[tuple[int, float]]]
@@ -68,7 +69,7 @@ def token_level_rewards(
                     )
                 rewards_B_T[b, position] += value
     if kl_B_T is not None:
-        rewards_B_T -= kl_coef * kl_B_T.detach().float() * mask
+        rewards_B_T -= kl_coef * zero_outside(kl_B_T.detach().float(), mask)
     return rewards_B_T
 
 
@@ -208,10 +209,10 @@ def value_loss(
     mask = mask_B_T.to(values_B_T.dtype)
     unclipped_B_T = (values_B_T - returns_B_T) ** 2
     if clip_range is None:
-        return 0.5 * unclipped_B_T * mask, torch.zeros_like(unclipped_B_T)
+        return 0.5 * zero_outside(unclipped_B_T, mask), torch.zeros_like(unclipped_B_T)
     v_clip_B_T = old_values_B_T + torch.clamp(values_B_T - old_values_B_T, -clip_range, clip_range)
     clipped_loss_B_T = (v_clip_B_T - returns_B_T) ** 2
-    loss_B_T = 0.5 * torch.max(unclipped_B_T, clipped_loss_B_T) * mask
+    loss_B_T = 0.5 * zero_outside(torch.max(unclipped_B_T, clipped_loss_B_T), mask)
     with torch.no_grad():
-        clipped_B_T = (clipped_loss_B_T > unclipped_B_T).float() * mask
+        clipped_B_T = zero_outside((clipped_loss_B_T > unclipped_B_T).float(), mask)
     return loss_B_T, clipped_B_T

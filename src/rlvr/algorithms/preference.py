@@ -13,6 +13,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from rlvr.algorithms.losses import zero_outside
+
 DPOLossType = Literal["sigmoid", "ipo", "hinge"]
 DPO_LOSS_TYPES: tuple[DPOLossType, ...] = ("sigmoid", "ipo", "hinge")
 
@@ -30,7 +32,7 @@ def sequence_logps(
 
     DPO scores a completion by its summed log-likelihood; IPO by the mean (see `dpo_loss`).
     """
-    total_B = (logprobs_B_T * mask_B_T).sum(dim=1)
+    total_B = zero_outside(logprobs_B_T, mask_B_T).sum(dim=1)
     if average:
         return total_B / mask_B_T.sum(dim=1).clamp(min=1)
     return total_B
@@ -48,7 +50,7 @@ def sft_loss(
     packed or not). Tokens with mask 0 (prompt, system, user turns, padding) carry no gradient.
     """
     denominator = float(mask_B_T.sum()) if num_tokens is None else num_tokens
-    return -(logprobs_B_T * mask_B_T).sum() / max(denominator, 1.0)
+    return -zero_outside(logprobs_B_T, mask_B_T).sum() / max(denominator, 1.0)
 
 
 def dpo_loss(

@@ -161,21 +161,21 @@ def assign_credit(
         )
         if estimator == "gae":
             assert values is not None, "ppo needs the critic's values"
-            values_B_T = _padded(values) * mask_B_T
+            values_B_T = zero_outside(_padded(values), mask_B_T)
             adv_B_T, returns_B_T = gae_advantages(
                 rewards_B_T, values_B_T, mask_B_T, obj.gamma, obj.gae_lambda
             )
             if obj.whiten_advantages:
                 adv_B_T = whiten(adv_B_T, mask_B_T)
             return Credit(
-                _unpadded(adv_B_T * mask_B_T, masks),
+                _unpadded(zero_outside(adv_B_T, mask_B_T), masks),
                 returns=_unpadded(returns_B_T, masks),
                 old_values=_unpadded(values_B_T, masks),
                 metrics=metrics,
             )
         returns_B_T = reinforce_pp_returns(rewards_B_T, mask_B_T, obj.gamma)
         adv_B_T = whiten(returns_B_T, mask_B_T) if obj.whiten_advantages else returns_B_T
-        return Credit(_unpadded(adv_B_T * mask_B_T, masks), metrics=metrics)
+        return Credit(_unpadded(zero_outside(adv_B_T, mask_B_T), masks), metrics=metrics)
 
     rewards_B = torch.tensor([t.reward for t in trajectories], dtype=torch.float32) + shaping_B
     if kl_rows is not None:
