@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,35 @@ def tiny_config_dir(tmp_path: Path) -> Path:
     shutil.copy(EXAMPLES / "tiny.yaml", tmp_path / "tiny.yaml")
     shutil.copy(EXAMPLES / "tiny_rewards.py", tmp_path / "tiny_rewards.py")
     return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def _auto_precision_needs_the_mark(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """A test that lets `model.bf16: auto` pick its precision must carry `@pytest.mark.precision`.
+
+    Such a test takes the bf16 path on CPUs with native bf16 and the fp32 path elsewhere, so a
+    tolerance written on one kind can fail on the other. `make test` runs every test marked
+    `precision` a second time with `auto` resolved the other way (RLVR_AUTO_BF16, rlvr.build), and
+    this check keeps the mark honest: it fails any unmarked test that asked the CPU. Tests that pin
+    `model.bf16` (or `autocast_bf16=`) never ask and need no mark. Tests that resolve `auto` only in a
+    subprocess (torchrun, a launched server) are not seen here: mark them by hand.
+    """
+    import rlvr.build as build
+
+    asked: list[bool] = []
+    detect = build.native_bf16
+
+    def recorded() -> bool:
+        asked.append(True)
+        return detect()
+
+    monkeypatch.setattr(build, "native_bf16", recorded)
+    yield
+    if asked and request.node.get_closest_marker("precision") is None:
+        pytest.fail(
+            f"{request.node.nodeid} ran with model.bf16: auto (its precision depends on the CPU): "
+            "pin model.bf16 or mark the test @pytest.mark.precision",
+            pytrace=False,
+        )

@@ -16,6 +16,9 @@ from rlvr.config import RunConfig, load_config
 from rlvr.observe.tracking import read_metrics
 from rlvr.train.loop import train
 
+# Runs the loop with model.bf16: auto, so its numbers depend on the CPU kind (tests/conftest.py).
+pytestmark = pytest.mark.precision
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 QUICK = ["train.steps=2", "eval.at_start=false", "eval.at_end=false", "tracking.progress=false"]
 

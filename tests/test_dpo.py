@@ -14,6 +14,9 @@ from rlvr.models import make_tiny_model_dir
 from rlvr.offline import DPOConfig, train_dpo
 from rlvr.offline import dpo as dpo_module
 
+# Runs the loop with model.bf16: auto, so its numbers depend on the CPU kind (tests/conftest.py).
+pytestmark = pytest.mark.precision
+
 
 def yes_no_pairs(n: int = 48, seed: int = 0) -> list[dict[str, str]]:
     """Varied prompts; the chosen answer is always "yes", the rejected always "no"."""

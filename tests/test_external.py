@@ -235,6 +235,7 @@ def test_external_config_errors() -> None:
     assert cfg.rollout.mode == "external" and cfg.rollout.max_turns is None
 
 
+@pytest.mark.precision  # the loop at model.bf16: auto
 @pytest.mark.slow
 def test_external_rollouts_improve_the_reward(
     byo_dir: Path, tiny_model_dir: Path, tmp_path: Path

@@ -183,6 +183,7 @@ def test_flop_count_by_hand() -> None:
     assert backward_flops(weights, 5, 3) == 800.0 + 480.0
 
 
+@pytest.mark.precision  # the loop at model.bf16: auto
 def test_update_reports_its_flops(tiny: tuple[Any, Any], tiny_model_dir: Path) -> None:
     from rlvr.config import load_config
     from rlvr.models import load_policy

@@ -325,6 +325,7 @@ def write_constant_reward(config_dir: Path) -> None:
     )
 
 
+@pytest.mark.precision  # the loop at model.bf16: auto
 def test_a_healthy_tiny_run_raises_no_alert(
     tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -336,6 +337,7 @@ def test_a_healthy_tiny_run_raises_no_alert(
     assert len(rewards) == 30 and rewards[-1] > rewards[0] + 0.5  # it did learn
 
 
+@pytest.mark.precision  # the loop at model.bf16: auto
 def test_format_only_reward_raises_the_hacking_alert(
     tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -355,6 +357,7 @@ def test_format_only_reward_raises_the_hacking_alert(
     assert "monitor reward_hacking/heldout" in capsys.readouterr().err
 
 
+@pytest.mark.precision  # the loop at model.bf16: auto
 def test_far_too_high_learning_rate_raises_entropy_collapse(
     tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -369,6 +372,7 @@ def test_far_too_high_learning_rate_raises_entropy_collapse(
     assert collapse[0]["evidence"]["ratio"] < 0.1
 
 
+@pytest.mark.precision  # the loop at model.bf16: auto
 def test_constant_reward_raises_zero_variance(
     tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -381,6 +385,7 @@ def test_constant_reward_raises_zero_variance(
     assert events[0]["evidence"]["frac_reward_zero_std"] == 1.0
 
 
+@pytest.mark.precision  # the loop at model.bf16: auto
 def test_injected_nan_loss_skips_the_step_and_raises_nonfinite(
     tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -417,6 +422,7 @@ def test_injected_nan_loss_skips_the_step_and_raises_nonfinite(
     assert [(e["step"], e["event"]) for e in events] == [(3, "nonfinite")]
 
 
+@pytest.mark.precision  # the loop at model.bf16: auto
 def test_action_stop_ends_the_run_with_a_checkpoint(
     tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -434,6 +440,7 @@ def test_action_stop_ends_the_run_with_a_checkpoint(
     assert events[0]["action"] == "stop"
 
 
+@pytest.mark.precision  # the loop at model.bf16: auto
 def test_action_mitigate_raises_beta_with_a_new_reference_and_resumes_exactly(
     tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -477,6 +484,7 @@ def test_action_mitigate_raises_beta_with_a_new_reference_and_resumes_exactly(
     assert fired["step"] < 10
 
 
+@pytest.mark.precision  # the loop at model.bf16: auto
 def test_action_mitigate_turns_on_starpo_s_and_the_run_goes_on(
     tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:

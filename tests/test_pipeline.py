@@ -17,6 +17,9 @@ from rlvr.errors import ConfigError
 from rlvr.observe.tracking import read_metrics
 from rlvr.pipeline import PipelineConfig, load_pipeline_config, run_pipeline
 
+# Runs the loop with model.bf16: auto, so its numbers depend on the CPU kind (tests/conftest.py).
+pytestmark = pytest.mark.precision
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

@@ -20,6 +20,9 @@ from rlvr.records import Task, Trajectory
 from rlvr.verifiers.judge import is_verifiable
 from rlvr.verifiers.reward_model import reward_model
 
+# Runs the loop with model.bf16: auto, so its numbers depend on the CPU kind (tests/conftest.py).
+pytestmark = pytest.mark.precision
+
 
 def yes_no_pairs(n: int = 48, seed: int = 0) -> list[dict[str, Any]]:
     rng = random.Random(seed)

@@ -19,6 +19,9 @@ from rlvr.offline import DistillDataConfig, SFTConfig, generate_teacher_data, tr
 from rlvr.offline.common import forward_logprobs
 from rlvr.offline.data import collate, sft_examples
 
+# Runs the loop with model.bf16: auto, so its numbers depend on the CPU kind (tests/conftest.py).
+pytestmark = pytest.mark.precision
+
 WORDS = ["cat", "dog", "sun", "red", "blue", "tree", "fish", "bird", "moon", "star", "rain", "leaf"]
 
 

@@ -13,6 +13,9 @@ from rlvr.observe.metrics import WALL_CLOCK_METRICS
 from rlvr.observe.tracking import read_metrics
 from rlvr.train.loop import train
 
+# Runs the loop with model.bf16: auto, so its numbers depend on the CPU kind (tests/conftest.py).
+pytestmark = pytest.mark.precision
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TIMING_KEYS = WALL_CLOCK_METRICS
 

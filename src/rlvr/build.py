@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from rlvr.config import ModelConfig, RewardSpec, RunConfig
+from rlvr.errors import ConfigError
 from rlvr.models import LoraSettings, Policy, eos_token_ids, load_policy
 from rlvr.optim import adamw
 from rlvr.rollout.engine import RolloutLimits
@@ -30,13 +32,28 @@ def build_rubric(specs: list[RewardSpec], base_dir: Path | None = None) -> Rubri
     return Rubric(functions)
 
 
-@cache
+# `model.bf16: auto` asks the CPU; this environment variable answers instead ("on" or "off"), so a
+# test run on one CPU kind can take the path `auto` takes on the other (make test runs the
+# precision-sensitive tests both ways: an AVX2 host cannot land a change that breaks bf16 hosts).
+AUTO_BF16_ENV = "RLVR_AUTO_BF16"
+
+
 def native_bf16() -> bool:
     """True when this CPU has native bf16 matmuls (avx512_bf16 / AMX); rlvr's matmuls run on the CPU.
 
     Measured on an AVX2-only EPYC: bf16 matmuls ran at 15 GFLOP/s against 120 in fp32, so autocast
-    must not be on by default everywhere.
+    must not be on by default everywhere. `RLVR_AUTO_BF16=on|off` overrides the detection.
     """
+    forced = os.environ.get(AUTO_BF16_ENV, "").strip().lower()
+    if forced in ("on", "off"):
+        return forced == "on"
+    if forced:
+        raise ConfigError(f"{AUTO_BF16_ENV}={forced!r}: expected 'on' or 'off' (or unset)")
+    return _cpu_has_bf16()
+
+
+@cache
+def _cpu_has_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -44,8 +61,13 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def bf16_setting_on(setting: str) -> bool:
+    """Whether a `bf16: auto | on | off` setting means bf16 autocast on this host."""
+    return setting == "on" or (setting == "auto" and native_bf16())
+
+
 def use_bf16(cfg: ModelConfig) -> bool:
-    return cfg.bf16 == "on" or (cfg.bf16 == "auto" and native_bf16())
+    return bf16_setting_on(cfg.bf16)
 
 
 def build_policy(cfg: RunConfig) -> Policy:

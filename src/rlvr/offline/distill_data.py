@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rlvr.build import build_rubric, native_bf16
+from rlvr.build import bf16_setting_on, build_rubric
 from rlvr.errors import ConfigError
 from rlvr.models import eos_token_ids, load_policy
 from rlvr.offline.common import seed_everything
@@ -78,7 +78,7 @@ def generate_teacher_data(
 
     teacher = load_policy(cfg.teacher)
     tokenizer = teacher.tokenizer
-    bf16 = cfg.bf16 == "on" or (cfg.bf16 == "auto" and native_bf16())
+    bf16 = bf16_setting_on(cfg.bf16)
     generator = HFGenerator(
         teacher.model,
         tokenizer,
