@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -491,7 +491,7 @@ def test_a_nan_reference_at_an_observation_does_not_poison_the_update(
     rows = _rows(PROMPT, COMPLETIONS, MASKS)
     assert prompt_order(rows, range(3)) == [1, 0, 2]
     poisoned = _NanAt(reference, [(1, 2), (1, 3), (0, 3), (0, 4)])
-    policy = Policy(policy.model, policy.tokenizer, lora=False, _reference=poisoned)
+    policy = Policy(policy.model, policy.tokenizer, lora=False, _reference=cast(Any, poisoned))
     before = [p.detach().clone() for p in policy.trainable_parameters()]
     opt = adamw(policy.trainable_parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0)
     metrics = policy_update(policy, opt, rows, [[1.0] * 5, [-1.0] * 3, [0.5] * 5], c)

@@ -224,13 +224,15 @@ def _shaped_turn_rewards(
             continue
         rewards[-1] += shaping[i]
         if kl_rows is not None:
-            n_p, kl = t.prompt_length, kl_rows[i]
-            counted = 0.0
+            last = len(rewards) - 1
+            turn_of = [last] * len(kl_rows[i])  # completion position -> the turn it belongs to
             for k, span in enumerate(t.turns[: len(rewards)]):
-                turn_kl = sum(kl[span.start - n_p : span.end - n_p])
-                rewards[k] -= beta * turn_kl
-                counted += turn_kl
-            rewards[-1] -= beta * (sum(kl) - counted)
+                for position in range(span.start - t.prompt_length, span.end - t.prompt_length):
+                    turn_of[position] = k
+            turn_kl = [0.0] * len(rewards)
+            for position, value in enumerate(kl_rows[i]):  # 0 off the policy tokens
+                turn_kl[turn_of[position]] += value
+            rewards = [r - beta * kl for r, kl in zip(rewards, turn_kl, strict=True)]
         out.append(rewards)
     return out
 

@@ -254,7 +254,9 @@ def policy_update(
     # teacher every pass below takes the unfused head, so pi_old, pi_ref and pi_theta share one path.
     share, fused = plan.share_prefix, plan.fused and teacher is None
 
-    def forward(m: Any, b: TrainBatch, *, full: bool = False) -> Any:
+    def forward(
+        m: Any, b: TrainBatch, *, full: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         return token_distributions(
             m,
             b,
