@@ -7,17 +7,16 @@ paths: other matmul shapes, other reduction orders. Their gap on the same tokens
 is rounding only when the weights are the same; anything larger is staleness (async rollouts, a
 weight sync that did not happen) or a bug. This module says how large rounding can make it.
 
-- fp32 on both sides: float32 keeps 24 significant bits (unit roundoff 2^-24 = 6e-8); a log-prob
-  goes through ~100 accumulated matmuls and a log-softmax over the vocabulary, and different
-  reduction orders leave ~1e-6 per token on the tiny test model, ~1e-5 on SmolLM2-135M.
-  `FP32_LOGPROB_GAP` = 1e-4 leaves room for both.
+- fp32 on both sides: float32 keeps 24 significant bits and only the reduction order differs;
+  measured ~1e-7 on the tiny test model and 2.4e-6 (max 3e-5) on SmolLM2-135M.
+  `FP32_LOGPROB_GAP` = 1e-4.
 - bf16 autocast on either side: bf16 keeps 8 significant bits (unit roundoff u = 2^-8 = 3.9e-3).
-  Autocast rounds each matmul's inputs and its output to bf16, so every logit carries a relative
-  error of a few u and a log-prob an absolute error of about u times the logits' scale. A sampler
-  and trainer that both run bf16 round at different points (decode step by step vs. a full forward),
-  so their errors do not cancel. `BF16_LOGPROB_GAP` = u (one bf16 rounding of a unit-scale logit)
-  bounds the mean gap on the tiny test model (measured 1.3e-4 to 5.4e-4); on SmolLM2-135M, whose
-  logits reach 20-30, docs/performance.md gives the measured gap.
+  Autocast rounds each matmul's inputs and its output to bf16, so a logit carries an error of a
+  few u times its size, and so does the log-prob. A sampler and a trainer that both run bf16 round
+  at different points (decode step by step vs. a full forward), so their errors do not cancel.
+  The gap therefore scales with the model's logits: 2e-4 to 6e-4 on the tiny test model (logit std
+  0.2), under `BF16_LOGPROB_GAP` = u; 3e-2 mean (p99 0.15) on SmolLM2-135M, whose largest logits reach
+  25-40, std 8 (benchmarks/precision_gap.py, docs/performance.md).
 
 The tests use these as their tolerances (tests/test_scale_loop.py); the mismatch monitor
 (docs/monitors.md) alarms at a multiple of them.
