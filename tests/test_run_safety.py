@@ -30,7 +30,13 @@ RLVR = Path(sys.executable).parent / "rlvr"
 def tiny_cfg(config_dir: Path, model_dir: Path, out: Path, *overrides: str) -> RunConfig:
     return load_config(
         config_dir / "tiny.yaml",
-        [f"model.name={model_dir}", f"output_dir={out}", "tracking.progress=false", *overrides],
+        [
+            f"model.name={model_dir}",
+            f"output_dir={out}",
+            "tracking.progress=false",
+            "model.bf16='off'",
+            *overrides,
+        ],
     )
 
 
@@ -160,6 +166,8 @@ def test_a_second_run_into_the_same_directory_is_refused_until_overwrite(
         "train.steps=2",
         "--set",
         "eval.n=2",
+        "--set",
+        "model.bf16='off'",
     ]
     assert CliRunner().invoke(app, args).exit_code == 0
     before = (run / "metrics.jsonl").read_text()
@@ -239,7 +247,7 @@ def signal_config(tiny_config_dir: Path, tiny_model_dir: Path) -> Path:
 
     (tiny_config_dir / "pace.py").write_text(PACE)
     cfg = yaml.safe_load((tiny_config_dir / "tiny.yaml").read_text())
-    cfg["model"]["name"] = str(tiny_model_dir)
+    cfg["model"].update({"name": str(tiny_model_dir), "bf16": "off"})
     cfg["rewards"].append({"fn": "pace.py:pace", "name": "pace", "weight": 0.0})
     cfg["sampling"].update({"prompts_per_step": 2, "group_size": 4})
     cfg["train"]["steps"] = 6

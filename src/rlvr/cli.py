@@ -84,7 +84,12 @@ def train(
             overrides.append(f"output_dir={output_dir}")
         cfg = load_config(config, overrides)
         config_dir = config.parent
-    # The config is checked before torch and transformers load (seconds), so a typo answers at once.
+    # The config is checked before torch and transformers load (seconds), so a typo answers at once;
+    # so is a hub model id that cannot be loaded (transformers would retry for ~30 s).
+    from rlvr.hub import check_hub_model, looks_like_hub_id
+
+    if looks_like_hub_id(cfg.model.name):
+        check_hub_model(cfg.model.name)
     _quiet_libraries()
     from rlvr.train.loop import train as run_training
 
@@ -110,6 +115,15 @@ def _print_summary(summary: object, trackio_project: str | None) -> None:
             f"[bold]held-out accuracy[/bold]: {first['eval/accuracy']:.1%} (step {first_step}) -> "
             f"{last['eval/accuracy']:.1%} (step {last_step}) on {int(last['eval/n'])} tasks"
         )
+        from rich.markup import escape
+
+        from rlvr.evaluate import describe_errors
+
+        # Failed rollouts count as wrong: a low accuracy may be failures, not the model.
+        for step, ev in [history[0], history[-1]] if len(history) > 1 else history:
+            errored = describe_errors(ev)
+            if errored:
+                console.print(f"[bold yellow]held-out errors at step {step}[/]: {escape(errored)}")
     console.print(f"steps: {summary.steps_done}   wall time: {summary.wall_seconds / 60:.1f} min")
     console.print(
         f"run directory: {summary.run_dir}  (metrics.jsonl, rollouts.jsonl, checkpoints/)"

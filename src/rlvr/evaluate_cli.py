@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from rlvr.build import build_generator, rollout_limits
 from rlvr.config import RunConfig, load_config
 from rlvr.errors import ConfigError
-from rlvr.evaluate import evaluate_sources
+from rlvr.evaluate import describe_errors, evaluate_sources, refuse_if_all_failed
 from rlvr.models import Policy, load_policy, load_tokenizer
 from rlvr.train.checkpoint import latest_checkpoint
 from rlvr.train.sources import Sources
@@ -98,7 +99,8 @@ def run_eval(
         "stop": tuple(cfg.sampling.stop),
         "limits": rollout_limits(cfg),
     }
-    results = evaluate_sources(sources, generator, policy.tokenizer, **common)
+    failures: list[str] = []
+    results = evaluate_sources(sources, generator, policy.tokenizer, failures=failures, **common)
     if k > 1:
         sampled = evaluate_sources(
             sources, generator, policy.tokenizer, k=k, temperature=temperature, **common
@@ -119,7 +121,20 @@ def run_eval(
         table.add_row("tool-call rate", f"{results['eval/tool_call_rate']:.1%}")
     if "eval/mean_length" in results:
         table.add_row("mean completion tokens", f"{results['eval/mean_length']:.1f}")
-        table.add_row("verifier errors", f"{int(results['eval/errors'])}")
+    # Failed rollouts count as wrong in pass@1: how many there were is part of the result.
+    for kind, label in (
+        ("reward", "reward errors"),
+        ("env", "env errors"),
+        ("tool", "failed tool calls"),
+    ):
+        table.add_row(label, f"{int(results.get(f'eval/errors/{kind}', 0))}")
     Console().print(table)
     print(json.dumps(results))
+    errored = describe_errors(results)
+    if errored:
+        example = f"; e.g. {failures[0]}" if failures else ""
+        Console(stderr=True).print(
+            f"[bold yellow]warning[/]: {escape(errored + example)}", soft_wrap=True
+        )
+    refuse_if_all_failed(results, failures, f"rlvr eval {model}")
     return results

@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from rlvr.errors import ConfigError
+from rlvr.hub import check_hub_model, looks_like_hub_id
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 TINY_ALIAS = "tiny-random"
@@ -60,12 +61,12 @@ def resolve_model_path(name: str) -> str:
                 f"model directory '{name}' has no config.json: not a HF model directory"
             )
         return str(path)
-    looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
-    if not looks_like_hub_id:
+    if not looks_like_hub_id(name):
         raise ConfigError(
             f"model '{name}' does not exist: give a HF model directory, a hub id (org/name), "
             f"or one of the aliases {SMOLLM2_ALIAS}, {TINY_ALIAS}"
         )
+    check_hub_model(name)  # seconds, not transformers' ~30 s of retries when it cannot load
     return name
 
 

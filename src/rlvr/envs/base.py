@@ -172,9 +172,9 @@ def get_env_family(name: str, options: Mapping[str, Any] | None = None) -> EnvFa
     import rlvr.envs.catalog  # noqa: F401  (registers the built-ins)
 
     if ":" in name:
-        from rlvr.verifiers.rubric import resolve_reward_fn  # the same file/module loader
+        from rlvr.verifiers.rubric import resolve_callable  # the same file/module loader
 
-        target: Any = resolve_reward_fn(name)
+        target: Any = resolve_callable(name, what="env")
         if not (isinstance(target, type) and issubclass(target, EnvFamily)):
             raise ConfigError(f"task.env.name '{name}' is not an EnvFamily subclass")
         return target(options)

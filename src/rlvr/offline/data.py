@@ -14,7 +14,6 @@ conversation, else the template cannot be masked this way and the row is an erro
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 
 from rlvr.errors import ConfigError
 from rlvr.offline.config import OfflineDataConfig
+from rlvr.tasks import read_json_rows
 
 Message = dict[str, str]
 T = TypeVar("T")
@@ -86,36 +86,9 @@ def train_and_heldout(
 
 
 def _read_file(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise ConfigError(f"data file '{path}' does not exist")
     if path.suffix not in (".jsonl", ".json"):
         raise ConfigError(f"data file '{path}': expected a .jsonl or .json file")
-    text = path.read_text()
-    rows: list[Any] = []
-    if path.suffix == ".jsonl":
-        for line_no, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{path} line {line_no}: invalid JSON ({err.msg})") from None
-    else:
-        try:
-            loaded = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} line {err.lineno}: invalid JSON ({err.msg})") from None
-        if not isinstance(loaded, list):
-            raise ConfigError(f"{path}: a .json data file must hold a list of rows")
-        rows = loaded
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise ConfigError(
-                f"{path} row {i + 1}: expected a JSON object, got {type(row).__name__}"
-            )
-    if not rows:
-        raise ConfigError(f"data file '{path}' has no rows")
-    return rows
+    return read_json_rows(path)
 
 
 def as_messages(value: Any, role: str, where: str, key: str) -> list[Message]:

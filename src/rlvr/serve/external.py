@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from rlvr.config import RunConfig
-from rlvr.errors import ConfigError
 from rlvr.models import Policy
 from rlvr.records import FinishReason, Group, Span, Task, Trajectory
 from rlvr.rollout.hf import HFGenerator
@@ -46,8 +45,7 @@ from rlvr.serve.app import ROLLOUT_KEY_PREFIX, create_app
 from rlvr.serve.recorder import RecordedRollout, Recorder
 from rlvr.serve.runner import BackgroundServer, serve_state
 from rlvr.train.sources import Sources
-from rlvr.verifiers import resolve_reward_fn
-from rlvr.verifiers.rubric import Prefetched
+from rlvr.verifiers.rubric import Prefetched, resolve_callable
 
 SERVED_MODEL_NAME = "policy"
 
@@ -55,10 +53,7 @@ AgentFn = Callable[..., Any]
 
 
 def resolve_agent(spec: str, base_dir: Path | None) -> AgentFn:
-    try:
-        fn = resolve_reward_fn(spec, base_dir=base_dir)
-    except ConfigError as err:
-        raise ConfigError(f"external.agent: {err}") from None
+    fn: AgentFn = resolve_callable(spec, base_dir, "external.agent")
     return fn
 
 

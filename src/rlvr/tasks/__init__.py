@@ -7,8 +7,9 @@ walks the train list in seeded shuffled epochs and can save and restore its posi
 from __future__ import annotations
 
 import hashlib
+import json
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,23 +70,89 @@ def arithmetic_tasks(cfg: ArithmeticConfig, system_prompt: str | None = None) ->
 
 
 # ---------------------------------------------------------------------------------------------- datasets
+def read_json_rows(path: Path, what: str = "data file") -> list[dict[str, Any]]:
+    """The rows of a .jsonl file (one JSON object a line) or a .json file (a list of objects, or
+    JSON lines). Read here rather than by `datasets`, whose errors for an empty file (StopIteration)
+    or a bad line (DatasetGenerationError) name neither the file nor the line."""
+    if not path.is_file():
+        raise ConfigError(f"{what} '{path}' does not exist")
+    text = path.read_text()
+    rows: list[Any] = []
+    whole: Any = None
+    if path.suffix.lower() == ".json":
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError as err:
+            if text.lstrip().startswith("["):
+                raise ConfigError(f"{path} line {err.lineno}: invalid JSON ({err.msg})") from None
+            # else: maybe JSON lines in a .json file, read below line by line
+        if whole is not None and not isinstance(whole, list):
+            raise ConfigError(f"{path}: a .json file must hold a list of rows (or JSON lines)")
+    if isinstance(whole, list):
+        rows = whole
+    else:
+        for line_no, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{path} line {line_no}: invalid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise ConfigError(
+                    f"{path} line {line_no}: expected a JSON object, got {type(row).__name__}"
+                )
+            rows.append(row)
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ConfigError(
+                f"{path} row {i + 1}: expected a JSON object, got {type(row).__name__}"
+            )
+    if not rows:
+        raise ConfigError(f"{what} '{path}' has no rows")
+    return rows
+
+
 def _load_rows(path: str, split: str) -> Any:
+    suffix = Path(path).suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        return read_json_rows(Path(path), "dataset file")
     import datasets
 
-    suffix = Path(path).suffix.lower()
-    builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+    builders = {".parquet": "parquet", ".csv": "csv"}
     if suffix in builders:
         if not Path(path).is_file():
             raise ConfigError(f"dataset file '{path}' does not exist")
-        return datasets.load_dataset(builders[suffix], data_files=path, split="train")
-    if Path(path).is_dir():
-        return datasets.load_from_disk(path)
+        loaders = [lambda: datasets.load_dataset(builders[suffix], data_files=path, split="train")]
+    elif Path(path).is_dir():
+        loaders = [lambda: datasets.load_from_disk(path)]
+    else:
+        loaders = [lambda: datasets.load_dataset(path, split=split)]
     try:
-        return datasets.load_dataset(path, split=split)
+        rows = loaders[0]()
     except Exception as err:  # datasets raises many types; the user needs one line either way
-        raise ConfigError(
-            f"could not load dataset '{path}' (split {split}): {str(err).splitlines()[0]}"
-        ) from err
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"could not load dataset '{path}' (split {split}): {first}") from err
+    if len(rows) == 0:
+        raise ConfigError(f"dataset '{path}' has no rows")
+    return rows
+
+
+def check_messages(value: Any, where: str) -> tuple[dict[str, Any], ...]:
+    """A prompt given as chat messages: a non-empty list of {"role": str, "content": str, ...}."""
+    if not isinstance(value, list | tuple) or not value:
+        raise ConfigError(f"{where}: expected a non-empty list of chat messages")
+    for j, message in enumerate(value, start=1):
+        if not (
+            isinstance(message, Mapping)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise ConfigError(
+                f"{where}: message {j} must be an object with string 'role' and 'content' "
+                f"(got {str(message)[:80]})"
+            )
+    return tuple(dict(m) for m in value)
 
 
 def tasks_from_rows(
@@ -102,9 +169,18 @@ def tasks_from_rows(
             )
     tasks = []
     for i, row in enumerate(rows):
+        where = f"dataset '{source}' row {i + 1}"
+        absent = [c for c in wanted if c is not None and c not in row]
+        if absent:  # rows of a JSON-lines file need not share their keys
+            raise ConfigError(f"{where} has no '{absent[0]}' field")
         prompt = row[cfg.prompt_column]
-        if isinstance(prompt, list):  # already chat messages
-            messages = tuple(dict(m) for m in prompt)
+        if isinstance(prompt, list | tuple):  # already chat messages
+            messages = check_messages(prompt, f"{where}, '{cfg.prompt_column}'")
+        elif isinstance(prompt, Mapping) or prompt is None:
+            raise ConfigError(
+                f"{where}: '{cfg.prompt_column}' must be a string or a list of chat messages, "
+                f"not {'null' if prompt is None else 'an object'}"
+            )
         else:
             system = row[cfg.system_column] if cfg.system_column else system_prompt
             messages = _messages(str(prompt), system)

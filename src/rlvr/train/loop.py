@@ -48,7 +48,13 @@ from rlvr.algorithms import ALGORITHMS
 from rlvr.build import build_optimizer, build_policy, rollout_limits
 from rlvr.config import RewardSpec, RunConfig, TaskConfig, config_to_dict, load_config
 from rlvr.errors import ConfigError, RewardError
-from rlvr.evaluate import evaluate_sources
+from rlvr.evaluate import (
+    describe_errors,
+    describe_failure,
+    evaluate_sources,
+    failure_counts,
+    refuse_if_all_failed,
+)
 from rlvr.models import Policy, load_policy
 from rlvr.observe.inspect import trajectory_rows, write_step_trajectories
 from rlvr.observe.metrics import (
@@ -167,7 +173,7 @@ def train(
             optimised=[name for name, w in sources.reward_weights.items() if w != 0],
         )
 
-        def run_eval() -> dict[str, float]:
+        def run_eval(failures: list[str] | None = None) -> dict[str, float]:
             return plan.evaluate(
                 lambda: evaluate_sources(
                     sources,
@@ -177,6 +183,7 @@ def train(
                     max_new_tokens=cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
                     stop=tuple(cfg.sampling.stop),
                     limits=limits,
+                    failures=failures,
                 )
             )
 
@@ -244,11 +251,20 @@ def train(
 
         if cfg.eval.at_start and not resume:
             progress.note("evaluating the base policy on held-out tasks...")
-            base = run_eval()
+            failures: list[str] = []
+            base = run_eval(failures)
             summary.eval_history.append((0, base))
             monitors.observe(0, base)
             tracker.log(base, step=0)
             progress.note(f"held-out accuracy before training: {base['eval/accuracy']:.1%}")
+            errored = describe_errors(base)
+            if errored and is_main:  # never a silent 0%: failed rollouts are named, always
+                example = f"; e.g. {failures[0]}" if failures else ""
+                progress.console.print(
+                    f"[bold yellow]held-out eval before training[/]: {escape(errored + example)}",
+                    soft_wrap=True,
+                )
+            refuse_if_all_failed(base, failures, "held-out eval before training")
             if stop_signals.requested(dist):
                 save(0)
                 raise stop_signals.interrupted(0, run_dir)
@@ -477,11 +493,10 @@ def _check_reward_errors(trajectories: Sequence[Trajectory], step: int, limit: f
     failed = [t for t in trajectories if not t.usable]
     if not failed or len(failed) / len(trajectories) <= limit:
         return
-    example = failed[0].info.get("reward_errors", {})
-    name, message = next(iter(example.items()), ("?", "?"))
     raise RewardError(
-        f"step {step}: {len(failed)}/{len(trajectories)} rollouts could not be scored, above "
-        f"train.max_reward_error_fraction={limit}; e.g. reward '{name}' on task {failed[0].task_id}: {message}"
+        f"step {step}: {len(failed)}/{len(trajectories)} rollouts could not be scored "
+        f"({failure_counts(failed)}), above train.max_reward_error_fraction={limit}; "
+        f"e.g. {describe_failure(failed[0])}"
     )
 
 

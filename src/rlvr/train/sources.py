@@ -65,6 +65,8 @@ def _build_source(
         heldout=[dataclasses.replace(t, source=component.name) for t in splits.heldout],
     )
     rubric = build_rubric(component.rewards, base_dir=config_dir) if component.rewards else None
+    if rubric is not None:  # a parameter no task can fill fails here, before any model loads
+        rubric.check_tasks([*splits.train, *splits.heldout])
     names = list(rubric.names if rubric else []) + list(env_weights)
     external = cfg.rollout.mode == "external"
     # An external agent's own reward parts are known only once it returns: default "agent".

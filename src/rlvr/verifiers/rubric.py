@@ -24,6 +24,7 @@ from types import MappingProxyType, ModuleType
 from typing import Any, TypeVar
 
 from rlvr.errors import ConfigError
+from rlvr.observe.watchdog import watch
 from rlvr.records import Task, Trajectory
 from rlvr.verifiers.builtin import BUILTIN_REWARDS
 
@@ -33,6 +34,7 @@ __all__ = [
     "Rubric",
     "Score",
     "parallel_reward",
+    "resolve_callable",
     "resolve_reward_fn",
     "trajectory_reward",
 ]
@@ -85,12 +87,12 @@ def _describe(exc: BaseException) -> str:
 _FILE_MODULES: dict[Path, ModuleType] = {}
 
 
-def _load_file(spec: str, file_part: str, base_dir: Path | None) -> ModuleType:
+def _load_file(spec: str, file_part: str, base_dir: Path | None, what: str) -> ModuleType:
     path = Path(file_part).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
     if not path.is_file():
-        raise ConfigError(f"reward function {spec!r}: file {str(path)!r} not found")
+        raise ConfigError(f"{what} {spec!r}: file {str(path)!r} not found")
     path = path.resolve()
     if path in _FILE_MODULES:
         return _FILE_MODULES[path]
@@ -98,7 +100,7 @@ def _load_file(spec: str, file_part: str, base_dir: Path | None) -> ModuleType:
     module_name = f"_rlvr_reward_{path.stem}_{abs(hash(str(path))):x}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise ConfigError(f"reward function {spec!r}: cannot load {str(path)!r} as Python")
+        raise ConfigError(f"{what} {spec!r}: cannot load {str(path)!r} as Python")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
     try:
@@ -106,27 +108,25 @@ def _load_file(spec: str, file_part: str, base_dir: Path | None) -> ModuleType:
     except Exception as exc:
         del sys.modules[module_name]
         raise ConfigError(
-            f"reward function {spec!r}: importing {str(path)!r} failed: {_describe(exc)}"
+            f"{what} {spec!r}: importing {str(path)!r} failed: {_describe(exc)}"
         ) from exc
     _FILE_MODULES[path] = module
     return module
 
 
-def _import_module(spec: str, module_name: str) -> ModuleType:
+def _import_module(spec: str, module_name: str, what: str) -> ModuleType:
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         missing = exc.name or ""
         if missing == module_name or module_name.startswith(missing + "."):
-            raise ConfigError(
-                f"reward function {spec!r}: module {module_name!r} not found"
-            ) from None
+            raise ConfigError(f"{what} {spec!r}: module {module_name!r} not found") from None
         raise ConfigError(
-            f"reward function {spec!r}: importing {module_name!r} failed: {_describe(exc)}"
+            f"{what} {spec!r}: importing {module_name!r} failed: {_describe(exc)}"
         ) from exc
     except Exception as exc:
         raise ConfigError(
-            f"reward function {spec!r}: importing {module_name!r} failed: {_describe(exc)}"
+            f"{what} {spec!r}: importing {module_name!r} failed: {_describe(exc)}"
         ) from exc
 
 
@@ -148,28 +148,35 @@ def resolve_reward_fn(
             f"reward function {spec!r} is not a built-in (one of: {', '.join(BUILTIN_REWARDS)}) "
             "and not 'module:function' or 'file.py:function'"
         )
+    fn: Callable[..., float] = resolve_callable(spec, base_dir, "reward function")
+    return fn
+
+
+def resolve_callable(
+    spec: str, base_dir: str | os.PathLike[str] | None = None, what: str = "reward function"
+) -> Any:
+    """The object that `"package.module:attr"` or `"path/to/file.py:attr"` names; `what` says what
+    it is for in every error message (an env file is called an env file, not a reward function)."""
     # rsplit: a Windows path ("C:\\x\\r.py:fn") has a colon of its own.
-    location, attr_path = spec.rsplit(":", 1)
+    location, _, attr_path = spec.rpartition(":")
     if not location or not attr_path:
-        raise ConfigError(
-            f"reward function {spec!r}: expected 'module:function' or 'file.py:function'"
-        )
+        noun = "function" if what == "reward function" else "name"
+        raise ConfigError(f"{what} {spec!r}: expected 'module:{noun}' or 'file.py:{noun}'")
     is_file = location.endswith(".py") or "/" in location or os.sep in location
     if is_file:
-        module = _load_file(spec, location, Path(base_dir) if base_dir is not None else None)
+        module = _load_file(spec, location, Path(base_dir) if base_dir is not None else None, what)
     else:
-        module = _import_module(spec, location)
+        module = _import_module(spec, location, what)
     target: Any = module
     for part in attr_path.split("."):
         if not hasattr(target, part):
-            raise ConfigError(f"reward function {spec!r}: {location!r} has no attribute {part!r}")
+            raise ConfigError(f"{what} {spec!r}: {location!r} has no attribute {part!r}")
         target = getattr(target, part)
     if not callable(target):
         raise ConfigError(
-            f"reward function {spec!r}: {attr_path!r} is a {type(target).__name__}, not callable"
+            f"{what} {spec!r}: {attr_path!r} is a {type(target).__name__}, not callable"
         )
-    fn: Callable[..., float] = target
-    return fn
+    return target
 
 
 @dataclass(frozen=True)
@@ -183,6 +190,7 @@ class _CallPlan:
 
     accepted: frozenset[str] | None
     required: frozenset[str]
+    first: str | None = None  # the name of the parameter that receives the completion
 
 
 def _call_plan(name: str, fn: Callable[..., Any]) -> _CallPlan:
@@ -193,7 +201,9 @@ def _call_plan(name: str, fn: Callable[..., Any]) -> _CallPlan:
         return _CallPlan(accepted=None, required=frozenset())
     params = list(signature.parameters.values())
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    first = None
     if params and params[0].kind in positional:
+        first = params[0].name
         params = params[1:]  # receives the completion text (or the Trajectory)
     elif not params or params[0].kind is not inspect.Parameter.VAR_POSITIONAL:
         raise ConfigError(
@@ -208,8 +218,8 @@ def _call_plan(name: str, fn: Callable[..., Any]) -> _CallPlan:
     keyword = [p for p in params if p.kind in keyword_kinds]
     required = frozenset(p.name for p in keyword if p.default is inspect.Parameter.empty)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return _CallPlan(accepted=None, required=required)
-    return _CallPlan(accepted=frozenset(p.name for p in keyword), required=required)
+        return _CallPlan(accepted=None, required=required, first=first)
+    return _CallPlan(accepted=frozenset(p.name for p in keyword), required=required, first=first)
 
 
 @dataclass(frozen=True)
@@ -257,6 +267,26 @@ class RewardFunction:
     def wants_trajectory(self) -> bool:
         return bool(getattr(self.fn, _WANTS_TRAJECTORY, False))
 
+    def check_fields(self, fields: frozenset[str], task_id: str) -> None:
+        """Refuse, before any rollout, a function that cannot be called on a task with `fields`:
+        a required parameter the task does not have, or a first parameter named like a task field
+        (`def f(answer)`: it would receive the completion text, and answer=... again by keyword)."""
+        first = self._plan.first
+        if first is not None and (first in fields or first in self.options or first == "prompt"):
+            raise ConfigError(
+                f"reward function {self.name!r}: its first parameter {first!r} is a task field or "
+                f"option, but the first argument is always the completion text; write "
+                f"`def {getattr(self.fn, '__name__', 'fn')}(completion, {first}, **_)`"
+            )
+        # `prompt` is filled from the task's messages when the task has no such field.
+        missing = sorted(self._plan.required - fields - set(self.options) - {"prompt"})
+        if missing:
+            shown = ", ".join(sorted(fields)) or "none"
+            raise ConfigError(
+                f"reward function {self.name!r} needs task field(s) {', '.join(map(repr, missing))} "
+                f"that task {task_id!r} does not have (its fields: {shown})"
+            )
+
     def keyword_arguments(self, task: Task) -> dict[str, Any]:
         """The keyword arguments this function gets for `task`: task fields, options on top.
 
@@ -287,7 +317,8 @@ class RewardFunction:
         first: Trajectory | str = (
             trajectory if self.wants_trajectory else trajectory.completion_text
         )
-        value = self.fn(first, **kwargs)
+        with watch("reward", self.name):
+            value = self.fn(first, **kwargs)
         if not isinstance(value, numbers.Real):
             raise TypeError(f"returned {type(value).__name__} {value!r:.80}, expected a number")
         result = float(value)
@@ -336,6 +367,19 @@ class Rubric:
     @property
     def functions(self) -> tuple[RewardFunction, ...]:
         return self._functions
+
+    def check_tasks(self, tasks: Sequence[Task]) -> None:
+        """Every function callable on every task's fields (`RewardFunction.check_fields`), checked
+        once per distinct set of field names, so a misnamed parameter fails before a model loads
+        rather than as an error in every rollout."""
+        seen: set[frozenset[str]] = set()
+        for task in tasks:
+            fields = frozenset(task.fields)
+            if fields in seen:
+                continue
+            seen.add(fields)
+            for function in self._functions:
+                function.check_fields(fields, task.id)
 
     @property
     def names(self) -> tuple[str, ...]:
