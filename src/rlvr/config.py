@@ -414,6 +414,31 @@ class TrackingConfig(_Section):
     )
 
 
+class WatchdogConfig(_Section):
+    """Per-phase deadlines (seconds; 0 = not watched). A phase that runs past its deadline gets every
+    thread's stack written to RUN_DIR/hang_stacks.txt, a message naming the phase, and the process
+    exits with code 124 instead of hanging (docs/monitors.md, "Hang watchdog")."""
+
+    generation_s: float = Field(
+        3600.0, ge=0.0, description="One generator call (a turn of every live episode, or an eval)."
+    )
+    env_step_s: float = Field(600.0, ge=0.0, description="One env.reset or env.step call.")
+    reward_s: float = Field(600.0, ge=0.0, description="One reward function on one rollout.")
+    update_s: float = Field(3600.0, ge=0.0, description="One policy update (all its micro-batches).")
+    server_request_s: float = Field(
+        1800.0,
+        ge=0.0,
+        description="One HTTP request to a generation server (completions, weight sync, canary).",
+    )
+    backstop_grace_s: float = Field(
+        10.0,
+        gt=0.0,
+        description="A hang that holds the GIL (a C extension such as `re` that never lets go) "
+        "starves the watchdog thread; faulthandler's C timer then dumps the stacks this long after "
+        "the deadline and exits with code 1.",
+    )
+
+
 MonitorAction = Literal["warn", "stop", "mitigate"]
 
 
@@ -561,6 +586,38 @@ class NonFiniteMonitor(_Section):
     )
 
 
+class SamplerMismatchMonitor(_Section):
+    """The sampler's log-probs drift from the trainer's on the same tokens: a weight sync that did not
+    take, another model on the server, or numerics (docs/monitors.md argues the thresholds)."""
+
+    enabled: bool = Field(True, description="Watch the sampler/trainer log-prob gap.")
+    action: Literal["warn", "stop"] = Field(
+        "warn", description="Nothing to mitigate (a broken sync is not a hyper-parameter)."
+    )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="Which threshold applies. auto: fp32 when the trainer and the sampler are both "
+        "known fp32 (model.bf16 off and an in-process or `rlvr serve` sampler), else bf16 (a vLLM "
+        "or hand-started server is assumed to serve bf16).",
+    )
+    max_abs_diff_fp32: float = Field(
+        1e-3,
+        gt=0.0,
+        description="Mean |sampler - trainer| log-prob per token that fires when both sides are "
+        "fp32. Measured noise: ~4e-6; one missed sync at lr 1e-6 (SmolLM2): ~0.016.",
+    )
+    max_abs_diff_bf16: float = Field(
+        0.1,
+        gt=0.0,
+        description="The same with bf16 on either side. Measured noise (SmolLM2, T 0.7): ~0.03.",
+    )
+    canary: bool = Field(
+        True,
+        description="After each weight sync to a server, score a fixed short sequence on both "
+        "sides and log the gap as sync/canary_logprob_abs_diff.",
+    )
+
+
 class MonitorsConfig(_Section):
     """Failure-mode monitors evaluated every step on the metric history (docs/monitors.md). Each alert
     is an event row in metrics.jsonl, an `alerts/<name>` metric and a console warning."""
@@ -571,6 +628,7 @@ class MonitorsConfig(_Section):
     echo_trap: EchoTrapMonitor = EchoTrapMonitor()
     kl_blowup: KLBlowupMonitor = KLBlowupMonitor()
     nonfinite: NonFiniteMonitor = NonFiniteMonitor()
+    sampler_mismatch: SamplerMismatchMonitor = SamplerMismatchMonitor()
     beta_factor: float = Field(
         2.0,
         gt=1.0,
@@ -710,6 +768,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     tracking: TrackingConfig = TrackingConfig()
     monitors: MonitorsConfig = MonitorsConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
     output_dir: str = Field("runs/latest", description="RUN_DIR: metrics, checkpoints, config.")
 
     @model_validator(mode="before")

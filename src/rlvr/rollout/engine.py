@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlvr.envs.base import Env, EnvStep, SingleTurnEnv
+from rlvr.observe.watchdog import watch
 from rlvr.records import FinishReason, Group, Span, Task, Trajectory
 from rlvr.rollout.chat import (
     Truncation,
@@ -110,7 +111,8 @@ def _start(task: Task, make_env: EnvFactory, tokenizer: Any, limits: RolloutLimi
     try:
         env = make_env(task)
         _configure(env, limits)
-        opening = env.reset()
+        with watch("env_step", f"{type(env).__name__}.reset"):
+            opening = env.reset()
     except Exception as exc:  # counted as an env error like a failing step, not a crash
         ids = render_prompt_ids(tokenizer, [dict(m) for m in task.messages])
         failed = _Episode(task, SingleTurnEnv(task), 1, [], ids, len(ids), finish="error")
@@ -142,12 +144,14 @@ def _sample_turn(
     sizes = {len(v) for v in order.values()}
     out: list[Completion | None] = [None] * len(live)
     if len(sizes) == 1 and (k := sizes.pop()) > 1:
-        results = generator.generate(list(order), dataclasses.replace(params, n=k))
+        with watch("generation"):
+            results = generator.generate(list(order), dataclasses.replace(params, n=k))
         for members, completions in zip(order.values(), results, strict=True):
             for i, c in zip(members, completions, strict=True):
                 out[i] = c
     else:
-        results = generator.generate([ep.token_ids for ep in live], params)
+        with watch("generation"):
+            results = generator.generate([ep.token_ids for ep in live], params)
         for i, completions in enumerate(results):
             out[i] = completions[0]
     assert all(c is not None for c in out)
@@ -199,7 +203,8 @@ def _step_all(envs_and_texts: Sequence[tuple[Env, str]], workers: int) -> list[A
 
     def one(pair: tuple[Env, str]) -> Any:
         try:
-            return pair[0].step(pair[1])
+            with watch("env_step", f"{type(pair[0]).__name__}.step"):
+                return pair[0].step(pair[1])
         except Exception as exc:
             return exc
 
