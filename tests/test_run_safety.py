@@ -345,3 +345,46 @@ def test_a_second_ctrl_c_stops_at_once(
     assert proc.returncode == 130, err
     assert "interrupted at step" not in err  # no step was finished, no checkpoint saved for it
     assert not list(run.glob("checkpoints/step-*"))
+
+
+def test_an_interrupted_offline_stage_checkpoints_and_resumes_exactly(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlvr.errors import RunInterrupted
+    from rlvr.observe.tracking import Tracker
+    from rlvr.offline import SFTConfig, train_sft
+
+    rows = [
+        {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
+        for w in ["cat", "dog", "sun", "red", "blue", "tree", "fish", "bird"] * 2
+    ]
+
+    def cfg(out: str) -> SFTConfig:
+        return SFTConfig.model_validate(
+            {
+                "model": {"name": str(tiny_model_dir), "bf16": "off"},
+                "output_dir": str(tmp_path / out),
+                "progress": False,
+                "data": {"heldout_fraction": 0.25},
+                "train": {"steps": 4, "batch_size": 4, "learning_rate": 1e-3, "max_length": 64},
+            }
+        )
+
+    whole = train_sft(cfg("whole"), rows=rows)
+    original_log = Tracker.log
+
+    def ctrl_c_during_step_2(self: Tracker, metrics: dict[str, Any], step: int) -> None:
+        original_log(self, metrics, step)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # as if typed while step 2 was running
+
+    monkeypatch.setattr(Tracker, "log", ctrl_c_during_step_2)
+    with pytest.raises(RunInterrupted, match="interrupted at step 2") as err:
+        train_sft(cfg("split"), rows=rows)
+    assert err.value.exit_code == 130
+    assert (tmp_path / "split" / "checkpoints" / "step-000002" / "rng.json").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    monkeypatch.setattr(Tracker, "log", original_log)
+    resumed = train_sft(cfg("split"), rows=rows, resume=True)
+    assert [h["step"] for h in resumed.history] == [1, 2, 3, 4]
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in whole.history]

@@ -361,7 +361,13 @@ def _offline_stage(kind: str, config: Path, overrides: list[str]) -> None:
         "reward-model": train_reward_model,
     }
     run = runners[kind]
-    result = run(cfg, resume=True)
+    from rlvr.errors import RunInterrupted
+
+    try:
+        result = run(cfg, resume=True)
+    except RunInterrupted as err:  # the same command continues an offline stage
+        again = " ".join([f"rlvr {kind}", str(config), *(f"--set {o}" for o in overrides)])
+        raise RunInterrupted(err.step, err.run_dir, err.signum, hint=again) from None
     print(f"model: {result.model_dir}")
     print(" ".join(f"{k}={v:.4g}" for k, v in result.metrics.items()))
 

@@ -44,6 +44,7 @@ from rlvr.train.checkpoint import (
     load_weights_into,
     save_checkpoint,
 )
+from rlvr.train.run_dir import StopSignals
 
 DONE_FILE = "DONE.json"
 MODEL_DIR = "model"
@@ -209,7 +210,8 @@ def run_stage(
     `train_step(indices)` runs forward and backward over the step's items (micro-batching inside)
     and returns the step's metrics; this loop clips, steps, schedules, logs, evaluates every
     `eval_every` steps and at the end, checkpoints every `checkpoint_every` steps, then writes the
-    final model and DONE.json.
+    final model and DONE.json. SIGINT / SIGTERM finish the step, checkpoint it and raise
+    `RunInterrupted` (rlvr.train.run_dir.StopSignals); the same call with `resume` continues.
     """
     output_dir = Path(cfg.output_dir)
     train = cfg.train
@@ -226,43 +228,56 @@ def run_stage(
         output_dir, use_trackio=False, project="", run_name="", config={}, resume_step=start
     )
     progress = Progress(total=steps, start=start, enabled=cfg.progress, label=output_dir.name)
-    for step in range(start + 1, steps + 1):
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
-        metrics = train_step(step_indices(step, train.batch_size, num_items, train.seed))
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
-        # A non-finite gradient would poison the weights: skip the step and count it.
-        finite = math.isfinite(float(grad_norm))
-        if finite:
-            optimizer.step()
-        metrics["skipped_nonfinite"] = float(not finite)
-        metrics["grad_norm"] = float(grad_norm)
-        metrics["learning_rate"] = float(scheduler.get_last_lr()[0])
-        metrics["epoch"] = step * train.batch_size / num_items
-        scheduler.step()
-        if evaluate is not None and (
-            step == steps or (cfg.eval_every and step % cfg.eval_every == 0)
-        ):
-            model.eval()
-            with torch.no_grad():
-                metrics.update(evaluate())
-        tracker.log(metrics, step=step)
-        progress.update(step, metrics)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < steps:
-            save_checkpoint(
-                output_dir,
-                step,
-                model=model,
-                tokenizer=tokenizer,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                generator_rng=torch.get_rng_state(),
-                sampler_state={},
-                extra_state={"stage": type(cfg).__name__},
-                keep_last=cfg.keep_last,
-            )
-    progress.close()
-    tracker.close()
+
+    def save(step: int) -> None:
+        save_checkpoint(
+            output_dir,
+            step,
+            model=model,
+            tokenizer=tokenizer,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            generator_rng=torch.get_rng_state(),
+            sampler_state={},
+            extra_state={"stage": type(cfg).__name__},
+            keep_last=cfg.keep_last,
+        )
+
+    stop_signals = StopSignals()
+    try:
+        for step in range(start + 1, steps + 1):
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            metrics = train_step(step_indices(step, train.batch_size, num_items, train.seed))
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
+            # A non-finite gradient would poison the weights: skip the step and count it.
+            finite = math.isfinite(float(grad_norm))
+            if finite:
+                optimizer.step()
+            metrics["skipped_nonfinite"] = float(not finite)
+            metrics["grad_norm"] = float(grad_norm)
+            metrics["learning_rate"] = float(scheduler.get_last_lr()[0])
+            metrics["epoch"] = step * train.batch_size / num_items
+            scheduler.step()
+            if evaluate is not None and (
+                step == steps or (cfg.eval_every and step % cfg.eval_every == 0)
+            ):
+                model.eval()
+                with torch.no_grad():
+                    metrics.update(evaluate())
+            tracker.log(metrics, step=step)
+            progress.update(step, metrics)
+            saved = bool(cfg.checkpoint_every) and step % cfg.checkpoint_every == 0 and step < steps
+            # Ctrl-C / SIGTERM: this step is done; checkpoint it (unless it is the last) and stop.
+            interrupted = stop_signals.requested() and step < steps
+            if saved or interrupted:
+                save(step)
+            if interrupted:
+                raise stop_signals.interrupted(step, output_dir)
+    finally:
+        stop_signals.restore()
+        progress.close()
+        tracker.close()
     history = read_metrics(output_dir)
     final = {
         k: float(v) for k, v in history[-1].items() if k not in ("step", "time") and v is not None
