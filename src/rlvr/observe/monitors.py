@@ -18,6 +18,7 @@ Alert names (the `alerts/<name>` metric and the event row's "event" field):
     echo_trap/grad_spike   grad norm a robust z-score above the previous steps'
     kl_blowup              KL to the reference above `max_kl` for `patience` steps, or a 10x jump
     nonfinite              the update met a non-finite loss or gradient and skipped the step
+    sampler_mismatch       sampler and trainer log-probs apart on the same tokens (observe/mismatch.py)
 """
 
 from __future__ import annotations
@@ -69,6 +70,16 @@ MITIGATIONS = {
 class Finding:
     message: str
     evidence: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule defined outside this module (`Monitors(extra=...)`), with the metrics it reads."""
+
+    name: str
+    action: str
+    check: Callable[[History], Finding | None]
+    keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -355,7 +366,12 @@ class Monitors:
     """
 
     def __init__(
-        self, cfg: MonitorsConfig, *, accuracy: str | None = None, optimised: Sequence[str] = ()
+        self,
+        cfg: MonitorsConfig,
+        *,
+        accuracy: str | None = None,
+        optimised: Sequence[str] = (),
+        extra: Sequence[Rule | None] = (),
     ) -> None:
         self.cfg = cfg
         self.accuracy = accuracy
@@ -365,6 +381,8 @@ class Monitors:
         self.changes: dict[str, Any] = {}  # every mitigation so far, {"objective.beta": 0.04, ...}
         names = [*self.optimised, *([accuracy] if accuracy else [])]
         self.keys = {*WATCHED, cfg.entropy_collapse.metric, *(f"rewards/{n}/mean" for n in names)}
+        self.extra = [r for r in extra if r is not None]
+        self.keys.update(k for r in self.extra for k in r.keys)
 
     def rules(self) -> list[tuple[str, str, Callable[[History], Finding | None]]]:
         """(alert name, action, rule) for every enabled rule."""
@@ -401,7 +419,7 @@ class Monitors:
             out.append(("kl_blowup", kl.action, lambda h: kl_blowup(h, kl)))
         if c.nonfinite.enabled:
             out.append(("nonfinite", c.nonfinite.action, nonfinite))
-        return out
+        return out + [(r.name, r.action, r.check) for r in self.extra]
 
     def observe(self, step: int, metrics: Mapping[str, Any]) -> list[Alert]:
         """Add this step's metrics (merged into the last row when it is the same step, e.g. the final

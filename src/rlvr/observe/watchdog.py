@@ -37,6 +37,7 @@ import sysconfig
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,7 +229,8 @@ class Watchdog:
             f"deadline of {arm.deadline:g} s (watchdog.{arm.phase}_s), in thread "
             f"'{arm.thread_name}'{f' in {where}' if where else ''}"
             + "".join(
-                f"; also past its deadline: '{a.phase}' ({now - a.started:.1f} s)" for a in others
+                f"; {n} more '{phase}' call(s) past the deadline"
+                for phase, n in Counter(a.phase for a in others).items()
             )
         )
         self._write_stacks(message, arm, frames)

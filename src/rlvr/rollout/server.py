@@ -49,6 +49,7 @@ import torch
 from rlvr.config import GeneratorConfig, RunConfig
 from rlvr.errors import ConfigError, RlvrError
 from rlvr.models import Policy, eos_token_ids, resolve_model_path
+from rlvr.observe.watchdog import watch
 from rlvr.rollout.generator import Completion, SamplingParams
 
 MASK64 = (1 << 64) - 1
@@ -145,6 +146,15 @@ class ServerGenerator:
         futures = [self.pool.submit(self._complete, p, sampling.n) for p in payloads]
         return [f.result() for f in futures]
 
+    def canary(self, prompt: Sequence[int], *, n: int, max_tokens: int) -> list[Completion]:
+        """`n` samples of `prompt` at temperature 1 with a fixed seed, from the weights the server
+        serves now (rlvr.observe.mismatch compares their log-probs with the trainer's). Outside the
+        request counter: the run's own request seeds stay what they would be without it."""
+        from rlvr.observe.mismatch import CANARY_SEED
+
+        sampling = SamplingParams(n=n, temperature=1.0, top_p=1.0, max_new_tokens=max_tokens)
+        return self._complete(self._payload(prompt, sampling, CANARY_SEED), n)
+
     def _payload(
         self, prompt: Sequence[int], sampling: SamplingParams, seed: int
     ) -> dict[str, Any]:
@@ -207,7 +217,8 @@ class ServerGenerator:
     def _post(self, path: str, payload: dict[str, Any], hint: str = "") -> httpx.Response:
         url = f"{self.root}{path}"
         try:
-            response = self.client.post(url, json=payload)
+            with watch("server_request", f"POST {url}"):
+                response = self.client.post(url, json=payload)
         except httpx.HTTPError as err:
             raise ServerError(f"{url}: {type(err).__name__}: {err}") from None
         if response.status_code >= 400:

@@ -64,9 +64,11 @@ from rlvr.observe.metrics import (
     source_metrics,
     verifiability_metrics,
 )
+from rlvr.observe.mismatch import mismatch_rule
 from rlvr.observe.monitors import Alert, Monitors, apply_changes, mitigation
 from rlvr.observe.progress import Progress
 from rlvr.observe.tracking import NullTracker, Tracker, read_metrics
+from rlvr.observe.watchdog import Watchdog, watch
 from rlvr.records import Trajectory, flatten
 from rlvr.rollout.generator import SamplingParams
 from rlvr.tasks import TaskSplits
@@ -157,6 +159,16 @@ def train(
     # Everything that runs beside the loop (a server, Ray actors, threads) is closed however it ends.
     closers: list[Callable[[], None]] = [plan.close]
     try:
+        # A phase past its deadline ends the process with every stack on disk (observe/watchdog.py).
+        watchdog = Watchdog.from_config(
+            cfg.watchdog,
+            run_dir,
+            rank=dist.rank if dist else 0,
+            write_event=not dist or dist.is_main,
+        )
+        watchdog.on_hang.append(plan.abandon)  # a launched server would outlive os._exit
+        closers.append(watchdog.close)
+        watchdog.start()
         generator = plan.generator
         if dist is not None:
             dist.prepare_policy(policy)  # ddp: identical start on every rank; fsdp: shard
@@ -171,6 +183,7 @@ def train(
             cfg.monitors,
             accuracy=next(iter(metrics_of)) if len(metrics_of) == 1 else None,
             optimised=[name for name, w in sources.reward_weights.items() if w != 0],
+            extra=[mismatch_rule(cfg)],  # sampler vs trainer log-probs (observe/mismatch.py)
         )
 
         def run_eval(failures: list[str] | None = None) -> dict[str, float]:
@@ -272,6 +285,7 @@ def train(
         first_step_started = time.time()
         for step in range(start_step + 1, cfg.train.steps + 1):
             t0 = time.time()
+            watchdog.step = step
             # 1. tasks -> rollouts (multi-turn when the env asks), scored; the filter keeps the
             #    groups worth learning from (StarPO-S / DAPO dynamic sampling)
             sampled, kept, filter_metrics = collect_groups(cfg, plan.sample_round)
@@ -290,11 +304,13 @@ def train(
             if critic is not None:
                 update.update(critic.update(trajectories, credit))
             if critic is None or step > cfg.critic.warmup_steps:
-                update.update(
-                    policy_update(
-                        policy, optimizer, trajectories, token_adv, cfg, teacher=teacher, dist=dist
-                    )
-                )
+                with watch("update"):
+                    update.update(
+                        policy_update(
+                            policy, optimizer, trajectories, token_adv, cfg, teacher=teacher,
+                            dist=dist,
+                        )
+                    )  # fmt: skip
                 plan.after_update(step)  # the samplers get the new weights
             metrics = {
                 **rollout_metrics(sampled, sources.reward_names, group_size),

@@ -17,6 +17,7 @@ sampling.prompts_per_step tasks x G, scored), `after_update(step)` and `close()`
 from __future__ import annotations
 
 import copy
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ class RolloutPlan:
         self.ray: Any = None
         self.async_: Any = None
         self.copy_model: Any = None  # fsdp: an unsharded copy that samples
+        self.canary_gaps: list[float] = []  # since the last metrics(): sync/canary_logprob_abs_diff
         seed = cfg.train.seed + (1000 * dist.rank if dist is not None else 0)
         if cfg.generator.backend == "server":
             from rlvr.rollout.server import build_server_generator
@@ -78,6 +80,11 @@ class RolloutPlan:
             self.generator: Any = build_server_generator(
                 policy, cfg, run_dir or Path(cfg.output_dir)
             )
+            try:
+                self._canary()  # the initial sync (step 0) is checked too
+            except BaseException:
+                self.generator.close()  # stops a launched server: nothing else will
+                raise
         elif dist is not None and dist.strategy == "fsdp":
             # Sharded weights cannot sample (every forward would be a collective in lock-step across
             # ranks of unequal decode lengths): generate from a full copy refreshed after each update.
@@ -144,16 +151,47 @@ class RolloutPlan:
         return groups
 
     def metrics(self) -> dict[str, float]:
-        """The samplers' own numbers for the last round (worker balance, staleness, agent errors)."""
+        """The samplers' own numbers for the last round (worker balance, staleness, agent errors),
+        and the worst weight-sync canary gap since the last call."""
+        out: dict[str, float] = {}
         for part in (self.external, self.ray, self.async_):
             if part is not None:
-                return dict(part.last_metrics)
-        return {}
+                out = dict(part.last_metrics)
+                break
+        if self.canary_gaps:
+            out["sync/canary_logprob_abs_diff"] = max(self.canary_gaps)
+            self.canary_gaps.clear()
+        return out
+
+    def _canary(self) -> None:
+        """After a sync to a server: score the fixed canary on both sides (rlvr.observe.mismatch)."""
+        from rlvr.observe.mismatch import canary_gap
+        from rlvr.rollout.server import resolve_weight_sync
+
+        c = self.cfg.monitors.sampler_mismatch
+        if (
+            not c.canary
+            or resolve_weight_sync(self.cfg.generator.weight_sync, self.policy) == "none"
+        ):
+            return
+        gap = canary_gap(self.generator, self.policy, bf16=use_bf16(self.cfg.model))
+        if not math.isnan(gap):  # NaN: every canary sample was empty
+            self.canary_gaps.append(gap)
+
+    def abandon(self) -> None:
+        """The run is being killed (the hang watchdog): stop a launched server at once, since it
+        lives in its own process group and would outlive this process."""
+        process = getattr(self.generator, "process", None)
+        if process is not None:
+            from rlvr.rollout.server import stop_process
+
+            stop_process(process, timeout_s=2.0)
 
     def after_update(self, step: int) -> None:
         """Send the updated weights to whatever samples."""
         if self.cfg.generator.backend == "server":
             self.generator.sync_weights(self.policy, step)
+            self._canary()
         if self.ray is not None:
             self.ray.sync_weights(self.policy)
         if self.async_ is not None:
@@ -178,6 +216,7 @@ class RolloutPlan:
         """The samplers start from the checkpoint's (step's) weights, not the base model's."""
         if self.cfg.generator.backend == "server":
             self.generator.sync_weights(self.policy, step)
+            self._canary()
         if self.ray is not None:
             self.ray.sync_weights(self.policy)
         if self.async_ is not None:  # the copy was taken before the checkpoint was loaded

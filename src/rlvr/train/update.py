@@ -292,7 +292,7 @@ def policy_update(
 
     skipped = 0
     grad_norms: list[float] = []
-    for _ in range(obj.num_iterations):
+    for iteration in range(obj.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         finite_loss = True
         for i, b in enumerate(batches):
@@ -350,10 +350,11 @@ def policy_update(
             add("entropy", zero_outside(entropy_B_C.detach(), mask).sum())
             add("clip_ratio/low_mean", zero_outside(out.clipped_low_B_T, mask).sum())
             add("clip_ratio/high_mean", zero_outside(out.clipped_high_B_T, mask).sum())
-            add(
-                "behaviour_logprob_diff",
-                zero_outside((logp_B_C.detach() - b.behaviour_logprobs_B_C).abs(), mask).sum(),
-            )
+            if iteration == 0:  # later iterations score weights this update already moved
+                add(
+                    "behaviour_logprob_diff",
+                    zero_outside((logp_B_C.detach() - b.behaviour_logprobs_B_C).abs(), mask).sum(),
+                )
         for p in policy.trainable_parameters():
             if p.grad is None:  # every row skipped: a zero gradient, so AdamW still steps as usual
                 p.grad = torch.zeros_like(p)
@@ -400,7 +401,7 @@ def policy_update(
         "update/rows_forwarded_frac": len(forwarded) / len(usable),
         "update/rows_trained": float(len(usable)),
         # Generator vs trainer log-prob gap on the same tokens (numerics, or a stale/other engine).
-        "update/behaviour_logprob_abs_diff": per_token("behaviour_logprob_diff", n_fwd),
+        "update/behaviour_logprob_abs_diff": per_token("behaviour_logprob_diff", forwarded_tokens),
     }
     seconds = time.perf_counter() - started
     metrics["perf/update_gflops"] = flops / 1e9

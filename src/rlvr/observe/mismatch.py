@@ -1,0 +1,163 @@
+"""Sampler/trainer mismatch: the `sampler_mismatch` monitor and the weight-sync canary it reads.
+
+Two measures of the same thing, the mean |sampler log-prob - trainer log-prob| per token on the same
+tokens:
+- `update/behaviour_logprob_abs_diff` (train/update.py): on the step's sampled tokens, as the update
+  first scores them (before its optimizer step);
+- `sync/canary_logprob_abs_diff` (rlvr.train.rollouts, after each weight sync to a server): a fixed
+  short prompt (`CANARY_TEXT`) is sampled by the server at temperature 1 with a fixed seed, and the
+  trainer scores the returned tokens. Temperature 1 makes vLLM's processed and raw log-probs the same
+  numbers, and the fixed seed sits outside the run's request counter, so the run's own samples are
+  unchanged.
+
+A weight sync that silently did nothing, a server serving another model or revision, or a broken
+kernel shows as a gap far above numerical noise. The threshold depends on precision (docs/monitors.md
+has the measurements): fp32 on both sides agrees to ~4e-6 per token, bf16 on either side to ~0.03.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlvr.config import RunConfig
+from rlvr.observe.monitors import Finding, History, Rule
+
+CANARY_METRIC = "sync/canary_logprob_abs_diff"
+BEHAVIOUR_METRIC = "update/behaviour_logprob_abs_diff"
+# Plain text every tokenizer splits into a few dozen tokens; what matters is that it never changes.
+CANARY_TEXT = "The quick brown fox jumps over the lazy dog. Water boils at 100 degrees, and 7 x 8 ="
+CANARY_SEED = 20251129
+CANARY_SAMPLES = 4  # x CANARY_TOKENS sampled tokens averaged: noise well below either threshold
+CANARY_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class MismatchSetup:
+    """What the monitor reads and against which threshold, resolved from a run's config."""
+
+    precision: str  # "fp32" | "bf16"
+    threshold: float
+    why: str  # why that precision, for the message
+    keys: tuple[str, ...]  # metrics read, canary first
+    not_read: str = ""  # why the behaviour metric is not read ("" when it is)
+
+
+def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
+    """The monitor's settings for `cfg`; None when it is off.
+
+    precision auto: fp32 only when both sides are known fp32 (model.bf16 off, and the sampler is
+    in process or `rlvr serve`, which samples in fp32); a vLLM or hand-started server is assumed to
+    serve bf16 (vLLM's dtype auto takes the checkpoint's, usually bf16). The behaviour metric is not
+    read with async rollouts (the sampler is one update behind by design) nor with top_p < 1 on a
+    server other than rlvr serve (vLLM renormalises its log-probs over the nucleus, the trainer does
+    not): the canary still is."""
+    from rlvr.build import use_bf16
+
+    c = cfg.monitors.sampler_mismatch
+    if not c.enabled:
+        return None
+    g = cfg.generator
+    trainer_bf16 = use_bf16(cfg.model)
+    known_fp32_server = g.backend == "server" and g.launch == "rlvr"
+    sampler_bf16 = trainer_bf16 if g.backend != "server" else not known_fp32_server
+    if c.precision != "auto":
+        precision, why = c.precision, "monitors.sampler_mismatch.precision"
+    elif trainer_bf16:
+        precision, why = "bf16", "the trainer runs under bf16 autocast (model.bf16)"
+    elif sampler_bf16:
+        precision, why = "bf16", "a server other than rlvr serve is assumed to sample in bf16"
+    else:
+        precision, why = "fp32", "sampler and trainer both fp32"
+    threshold = c.max_abs_diff_bf16 if precision == "bf16" else c.max_abs_diff_fp32
+    not_read = ""
+    if cfg.rollout.async_rollouts:
+        not_read = "async rollouts sample from a copy one update behind"
+    elif g.backend == "server" and cfg.sampling.top_p < 1.0 and not known_fp32_server:
+        not_read = "vLLM renormalises log-probs over the top-p nucleus"
+    keys = (CANARY_METRIC,) if not_read else (CANARY_METRIC, BEHAVIOUR_METRIC)
+    return MismatchSetup(precision, threshold, why, keys, not_read)
+
+
+def sampler_mismatch(history: History, s: MismatchSetup) -> Finding | None:
+    """This step's canary gap or behaviour gap above `s.threshold`."""
+    if not history:
+        return None
+    row = history[-1]
+    over = [(key, row[key]) for key in s.keys if key in row and row[key] > s.threshold]
+    if not over:
+        return None
+    key, value = over[0]
+    on = "a fixed canary after the weight sync" if key == CANARY_METRIC else "this step's samples"
+    evidence = {k: row[k] for k in s.keys if k in row}
+    return Finding(
+        f"sampler and trainer log-probs differ by {value:.3g} per token on {on} ({key}), above "
+        f"the {s.precision} threshold {s.threshold:g} ({s.why}): a weight sync that did not take, "
+        "another model on the server, or broken numerics; the update learns from samples of "
+        "other weights",
+        {**evidence, "threshold": s.threshold},
+    )
+
+
+def mismatch_rule(cfg: RunConfig) -> Rule | None:
+    """The monitor as a rule for `Monitors(extra=...)`; None when it is off."""
+    s = mismatch_setup(cfg)
+    if s is None:
+        return None
+    action = cfg.monitors.sampler_mismatch.action
+    return Rule("sampler_mismatch", action, lambda h: sampler_mismatch(h, s), s.keys)
+
+
+# ---------------------------------------------------------------------------------------------- canary
+def canary_prompt(tokenizer: Any) -> list[int]:
+    """The canary's prompt ids (special tokens as the tokenizer adds them, e.g. a BOS)."""
+    return [int(t) for t in tokenizer(CANARY_TEXT)["input_ids"]][:32]
+
+
+@torch.no_grad()
+def canary_gap(generator: Any, policy: Any, *, bf16: bool) -> float:
+    """Mean |server - trainer| log-prob over the canary's sampled tokens. `generator` is a
+    ServerGenerator (its `canary` samples the prompt at temperature 1 with a fixed seed); the trainer
+    scores the same tokens with the update's forward (bf16 autocast as the update uses it)."""
+    from rlvr.records import Trajectory
+    from rlvr.train.batch import collate, token_logprobs
+
+    prompt = canary_prompt(policy.tokenizer)
+    completions = generator.canary(prompt, n=CANARY_SAMPLES, max_tokens=CANARY_TOKENS)
+    rows = [
+        Trajectory(
+            task_id="canary",
+            token_ids=(*prompt, *c.token_ids),
+            policy_mask=(0,) * len(prompt) + (1,) * len(c.token_ids),
+            logprobs=(0.0,) * len(prompt) + tuple(c.logprobs),
+            prompt_length=len(prompt),
+            completion_text="",
+            finish_reason=c.finish_reason,
+        )
+        for c in completions
+        if c.token_ids
+    ]
+    if not rows:
+        return float("nan")
+    batch = collate(rows, _zeros(rows), int(policy.tokenizer.pad_token_id))
+    model = policy.model
+    device = next(model.parameters()).device
+    batch = dataclasses.replace(
+        batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)}
+    )
+    training = model.training
+    model.eval()
+    try:
+        trainer, _ = token_logprobs(model, batch, 1.0, bf16=bf16)
+    finally:
+        model.train(training)
+    mask = batch.mask_B_C
+    return float(((trainer - batch.behaviour_logprobs_B_C).abs() * mask).sum() / mask.sum())
+
+
+def _zeros(rows: Sequence[Any]) -> list[list[float]]:
+    return [[0.0] * (len(t.token_ids) - t.prompt_length) for t in rows]
