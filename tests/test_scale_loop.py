@@ -161,16 +161,21 @@ def test_torchrun_trains_the_whole_loop(
 def test_a_failed_start_stops_the_launched_server(
     tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """A run that fails after starting its server (here: --resume with no checkpoint) stops it."""
+    """A run that fails after starting its server (here: --resume from a checkpoint without
+    weights, found only once the server runs) stops it."""
     import psutil
 
     from rlvr.errors import RlvrError
 
     cfg = _tiny(
-        tiny_config_dir, tiny_model_dir, tmp_path / "empty", "generator.backend=server",
+        tiny_config_dir, tiny_model_dir, tmp_path / "broken", "generator.backend=server",
         "generator.launch=rlvr",
     )  # fmt: skip
-    with pytest.raises(RlvrError):
+    # A checkpoint directory that passes the early --resume check but holds no weights.
+    checkpoint = tmp_path / "broken" / "checkpoints" / "step-000001"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "state.json").write_text("{}")
+    with pytest.raises(RlvrError, match="does not match the model"):
         train(cfg, resume=True, config_dir=tiny_config_dir)
     servers = [
         p for p in psutil.Process().children(recursive=True) if "serve" in " ".join(p.cmdline())
