@@ -564,3 +564,13 @@ def test_observation_and_prompt_positions_get_exactly_zero_gradient(
                 assert per_position[b, j] > 0, (term, b, j)
             else:
                 assert per_position[b, j] == 0, (term, b, j, per_position[b, j].item())
+
+
+def test_lora_dropout_in_an_rl_run_is_refused_not_ignored() -> None:
+    """The update turns dropout off (pi_old = pi_theta = the sampler): a LoRA dropout the user set
+    would be silently ignored, so the config refuses it in one line."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.lora.enabled=true", "model.lora.dropout=0.05"])
+    assert "model.lora.dropout=0.05 is not used by RL updates" in str(err.value)
+    assert "\n" not in str(err.value)
+    load_config(None, ["model.lora.enabled=true", "model.lora.dropout=0"])

@@ -806,6 +806,13 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check_sources(self) -> RunConfig:
+        if self.model.lora.dropout > 0:
+            # The RL update turns dropout off (rlvr.train.batch.disable_dropout): the policy it
+            # optimises is the one that sampled, without dropout. Say so rather than ignore it.
+            raise ValueError(
+                f"model.lora.dropout={self.model.lora.dropout:g} is not used by RL updates (dropout "
+                "is off so the trained policy is the one that sampled); set it to 0"
+            )
         components = self.components()
         for c in components:
             names = [r.name or r.fn.rsplit(":", 1)[-1] for r in c.rewards]
