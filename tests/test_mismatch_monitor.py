@@ -1,0 +1,164 @@
+"""The sampler/trainer mismatch monitor (rlvr.observe.mismatch): its threshold per precision, the
+rule at and past it, and end to end on a server backend whose weight sync silently does nothing
+(the canary fires after the first update) or that is never synced (the behaviour gap fires)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import rlvr.serve.completions as completions
+from rlvr.config import RunConfig, load_config
+from rlvr.models import load_policy
+from rlvr.observe.mismatch import (
+    BEHAVIOUR_METRIC,
+    CANARY_METRIC,
+    MismatchSetup,
+    mismatch_setup,
+    sampler_mismatch,
+)
+from rlvr.observe.monitors import Monitors
+from rlvr.serve.app import create_app
+from rlvr.serve.runner import BackgroundServer, serve_state
+from rlvr.train.loop import train
+
+
+def _cfg(**sections: Any) -> RunConfig:
+    return RunConfig.model_validate({"model": {"bf16": "off"}, **sections})
+
+
+def test_the_threshold_follows_the_precision_of_both_sides() -> None:
+    fp32 = mismatch_setup(_cfg())
+    assert fp32 is not None and (fp32.precision, fp32.threshold) == ("fp32", 1e-3)
+    assert fp32.keys == (CANARY_METRIC, BEHAVIOUR_METRIC)
+    trainer_bf16 = mismatch_setup(_cfg(model={"bf16": "on"}))
+    assert trainer_bf16 is not None and (trainer_bf16.precision, trainer_bf16.threshold) == (
+        "bf16",
+        0.1,
+    )
+    # A server by URL may be vLLM in bf16; `rlvr serve` launched by the run samples in fp32.
+    url = mismatch_setup(_cfg(generator={"backend": "server", "url": "http://127.0.0.1:1/v1"}))
+    assert url is not None and url.precision == "bf16"
+    launched = mismatch_setup(_cfg(generator={"backend": "server", "launch": "rlvr"}))
+    assert launched is not None and launched.precision == "fp32"
+    pinned = mismatch_setup(
+        _cfg(
+            generator={"backend": "server", "url": "http://127.0.0.1:1/v1"},
+            monitors={"sampler_mismatch": {"precision": "fp32", "max_abs_diff_fp32": 5e-4}},
+        )
+    )
+    assert pinned is not None and (pinned.precision, pinned.threshold) == ("fp32", 5e-4)
+    assert mismatch_setup(_cfg(monitors={"sampler_mismatch": {"enabled": False}})) is None
+
+
+def test_the_behaviour_gap_is_not_read_where_it_is_stale_or_renormalised_by_design() -> None:
+    stale = mismatch_setup(_cfg(rollout={"async_rollouts": True}))
+    assert stale is not None and stale.keys == (CANARY_METRIC,) and "async" in stale.not_read
+    nucleus = mismatch_setup(
+        _cfg(
+            generator={"backend": "server", "url": "http://127.0.0.1:1/v1"},
+            sampling={"top_p": 0.9},
+        )
+    )
+    assert nucleus is not None and nucleus.keys == (CANARY_METRIC,)
+
+
+def test_the_rule_fires_just_past_the_threshold_and_not_at_it() -> None:
+    s = MismatchSetup("fp32", 1e-3, "both fp32", (CANARY_METRIC, BEHAVIOUR_METRIC))
+    assert sampler_mismatch([{"step": 1.0, BEHAVIOUR_METRIC: 1e-3, CANARY_METRIC: 2e-6}], s) is None
+    found = sampler_mismatch([{"step": 1.0, BEHAVIOUR_METRIC: 1.1e-3}], s)
+    assert found is not None and BEHAVIOUR_METRIC in found.message
+    assert found.evidence == {BEHAVIOUR_METRIC: 1.1e-3, "threshold": 1e-3}
+    found = sampler_mismatch([{"step": 2.0, CANARY_METRIC: 0.5, BEHAVIOUR_METRIC: 0.2}], s)
+    assert found is not None and "canary" in found.message  # the canary is named first
+
+
+def test_monitors_run_the_rule_once_per_episode() -> None:
+    cfg = _cfg()
+    from rlvr.observe.mismatch import mismatch_rule
+
+    monitors = Monitors(cfg.monitors, extra=[mismatch_rule(cfg)])
+    fired = [
+        [a.name for a in monitors.observe(step, {BEHAVIOUR_METRIC: gap})]
+        for step, gap in enumerate([1e-6, 0.2, 0.3, 1e-6, 0.2], start=1)
+    ]
+    assert fired == [[], ["sampler_mismatch"], [], [], ["sampler_mismatch"]]
+
+
+# ------------------------------------------------------------------------------------- end to end
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("event") == "sampler_mismatch"]
+
+
+def _steps(run_dir: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r]
+
+
+def _server_run(
+    tiny_config_dir: Path, tiny_model_dir: Path, run_dir: Path, *more: str
+) -> tuple[Any, list[dict[str, Any]]]:
+    """Train the tiny model on `rlvr serve`'s in-process app (its own copy of the model) by URL.
+    rlvr serve samples in fp32, which a server given by URL is not assumed to: say so."""
+    server_policy = load_policy(str(tiny_model_dir))
+    with BackgroundServer(create_app(serve_state(server_policy, str(tiny_model_dir)))) as srv:
+        cfg = load_config(
+            tiny_config_dir / "tiny.yaml",
+            [
+                f"model.name={tiny_model_dir}", f"output_dir={run_dir}", "model.bf16='off'",
+                "tracking.progress=false", "eval.at_start=false", "eval.at_end=false",
+                "generator.backend=server", f"generator.url={srv.base_url}",
+                "monitors.sampler_mismatch.precision=fp32", *more,
+            ],
+        )  # fmt: skip
+        summary = train(cfg, config_dir=tiny_config_dir)
+    return summary, _steps(run_dir)
+
+
+def test_a_weight_sync_that_silently_does_nothing_trips_the_canary(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server answers the reload with success but keeps its weights. After the first update the
+    canary, scored by the server and by the trainer, disagrees: the monitor stops the run there,
+    before any step trains on the stale samples. With the sync working, nothing fires."""
+    good, rows = _server_run(
+        tiny_config_dir, tiny_model_dir, tmp_path / "synced", "train.steps=2",
+        "generator.weight_sync=full",
+    )  # fmt: skip
+    assert good.stopped_early is None and not _events(tmp_path / "synced")
+    assert len(rows) == 2 and all(r[CANARY_METRIC] < 1e-4 for r in rows), rows
+
+    monkeypatch.setattr(completions, "reload_weights", lambda state, path: None)
+    bad, rows = _server_run(
+        tiny_config_dir, tiny_model_dir, tmp_path / "broken", "train.steps=3",
+        "generator.weight_sync=full", "monitors.sampler_mismatch.action=stop",
+    )  # fmt: skip
+    assert bad.steps_done == 1 and bad.stopped_early is not None
+    assert bad.stopped_early.startswith("sampler_mismatch: ")
+    assert (
+        rows[0][CANARY_METRIC] > 1e-3 and rows[0][BEHAVIOUR_METRIC] < 1e-4
+    )  # caught by the canary
+    (event,) = _events(tmp_path / "broken")
+    assert event["step"] == 1 and event["action"] == "stop"
+    assert CANARY_METRIC in event["message"] and event["evidence"][CANARY_METRIC] > 1e-3
+
+
+def test_a_sampler_that_is_never_synced_trips_the_behaviour_gap(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """weight_sync none: no sync, so no canary; the step after the first update samples from the old
+    weights and its behaviour gap fires the (warn) alert, while the run goes on."""
+    summary, rows = _server_run(
+        tiny_config_dir, tiny_model_dir, tmp_path / "never", "train.steps=3",
+        "generator.weight_sync=none",
+    )  # fmt: skip
+    assert summary.steps_done == 3 and summary.stopped_early is None
+    assert all(CANARY_METRIC not in r for r in rows)
+    (event,) = _events(tmp_path / "never")
+    assert event["step"] == 2 and event["action"] == "warn"
+    assert BEHAVIOUR_METRIC in event["message"]
+    assert rows[1]["alerts/sampler_mismatch"] == 1.0
