@@ -95,6 +95,15 @@ def test_checkpoint_files_are_plain_data_and_resume_loads_them(
         train(cfg, resume=True, config_dir=tiny_config_dir)
     assert not (tmp_path / "pwned").exists()
 
+    # A checkpoint from before rng.json (its RNG state pickled with numpy) is named as such.
+    from rlvr.train.checkpoint import load_training_state
+
+    (checkpoint / "rng.json").unlink()
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    with pytest.raises(ConfigError, match="written by an older rlvr"):
+        load_training_state(checkpoint, opt, sched)
+
 
 def test_dpo_reference_cache_is_keyed_on_model_and_averaging(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -117,15 +117,15 @@ def load_training_state(
     checkpoint: Path, optimizer: torch.optim.Optimizer, scheduler: Any
 ) -> tuple[dict[str, Any], torch.Tensor]:
     """Restore optimizer, scheduler and global RNGs; return (state.json contents, generator RNG state)."""
-    optimizer.load_state_dict(load_data(checkpoint / "optimizer.pt"))
-    scheduler.load_state_dict(load_data(checkpoint / "scheduler.pt"))
-    rng = load_data(checkpoint / "rng.pt")
     rng_json = checkpoint / "rng.json"
     if not rng_json.is_file():
         raise ConfigError(
             f"checkpoint {checkpoint} has no rng.json: it was written by an older rlvr, whose "
             "pickled RNG state is not loaded (start a new run)"
         )
+    optimizer.load_state_dict(load_data(checkpoint / "optimizer.pt"))
+    scheduler.load_state_dict(load_data(checkpoint / "scheduler.pt"))
+    rng = load_data(checkpoint / "rng.pt")
     rng_from_json(json.loads(rng_json.read_text()))
     torch.set_rng_state(rng["torch"])
     state = json.loads((checkpoint / "state.json").read_text())
