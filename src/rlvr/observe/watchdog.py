@@ -165,25 +165,27 @@ class Watchdog:
         with self._lock:
             token = next(self._ids)
             self._arms[token] = arm
-            # Set here, in the calling thread: if this call then holds the GIL, the watchdog
-            # thread never runs again and only the C timer can act.
-            if self.fired is None and arm.due() + self.grace < self._backstop_at - self._slack:
-                self._set_backstop(arm.due() + self.grace, now)
+            # Here, in the calling thread: if this call then holds the GIL, the watchdog thread
+            # never runs again and only the C timer, as set now, can act.
+            if self.fired is None:
+                self._follow_nearest(now)
         return token
 
     def disarm(self, token: int) -> None:
+        # Nothing else: the C timer is moved by the next arm() or tick, not per call (each move
+        # starts a thread inside faulthandler; quick calls in a row would pay that every time).
         with self._lock:
             self._arms.pop(token, None)
-            if self.fired is not None:
-                return
-            if not self._arms:
-                self._cancel_backstop()
-                return
-            # The C timer follows the nearest deadline still watched, so that a later call that
-            # holds the GIL is not cut short by the deadline of one that has ended.
-            at = min(a.due() for a in self._arms.values()) + self.grace
-            if at > self._backstop_at + self._slack:
-                self._set_backstop(at, time.monotonic())
+
+    def _follow_nearest(self, now: float) -> None:
+        """Keep the C timer at the nearest deadline watched + grace (lock held): earlier at once,
+        later once it lags by more than the slack; off when nothing is watched."""
+        if not self._arms:
+            self._cancel_backstop()
+            return
+        at = min(a.due() for a in self._arms.values()) + self.grace
+        if abs(at - self._backstop_at) > self._slack:
+            self._set_backstop(at, now)
 
     def _set_backstop(self, at: float, now: float) -> None:
         """faulthandler's C timer to fire at monotonic time `at` (lock held)."""
@@ -209,6 +211,8 @@ class Watchdog:
             now = time.monotonic()
             with self._lock:
                 late = [a for a in self._arms.values() if now > a.due()]
+                if not late:
+                    self._follow_nearest(now)
             if late:
                 self._fire(max(late, key=lambda a: now - a.due()), late, now)
                 return
