@@ -204,6 +204,17 @@ def test_resume_without_a_checkpoint_says_so_before_loading_anything(tmp_path: P
         check_run_dir(tmp_path / "run", resume=True, overwrite=False)
 
 
+def test_only_rank_0_judges_an_existing_run_directory(tmp_path: Path) -> None:
+    """Under torchrun rank 0 makes the directory; a rank that starts later must not refuse it."""
+    from rlvr.train.run_dir import check_run_dir
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("{}")
+    with pytest.raises(ConfigError, match="already holds a run"):
+        check_run_dir(tmp_path / "run", resume=False, overwrite=False, main=True)
+    check_run_dir(tmp_path / "run", resume=False, overwrite=False, main=False)
+
+
 def test_a_model_that_fails_to_load_leaves_no_run_directory(
     tiny_config_dir: Path, tmp_path: Path
 ) -> None:

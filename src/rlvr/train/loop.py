@@ -31,6 +31,7 @@ rlvr.train.rollouts.RolloutPlan; the step is the same in every case (docs/scalin
 
 from __future__ import annotations
 
+import os
 import random
 import time
 import warnings
@@ -128,7 +129,10 @@ def train(
     started = time.time()
     cfg = absolutize_reward_files(cfg, config_dir)
     run_dir = Path(cfg.output_dir)
-    check_run_dir(run_dir, resume=resume, overwrite=overwrite)  # before anything slow loads
+    # Before anything slow loads. Under torchrun rank 0 alone judges: the others may start after it
+    # made the directory.
+    main_rank = os.environ.get("RANK", "0") == "0"
+    check_run_dir(run_dir, resume=resume, overwrite=overwrite, main=main_rank)
     seed_everything(cfg.train.seed)
 
     # Under torchrun: this process is one rank; rank 0 alone writes metrics and checkpoints.

@@ -32,8 +32,9 @@ def holds_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in RUN_FILES)
 
 
-def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse what would mix or lose runs; see the module docstring."""
+def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, main: bool = True) -> None:
+    """Refuse what would mix or lose runs; see the module docstring. Only the main process (rank 0)
+    checks for an existing run: other ranks may start after it made the directory."""
     if resume:
         if overwrite:
             raise ConfigError("--resume and --overwrite contradict each other; give one")
@@ -45,7 +46,7 @@ def check_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
                 "--overwrite (the old files are moved aside)"
             )
         return
-    if holds_run(run_dir) and not overwrite:
+    if main and holds_run(run_dir) and not overwrite:
         raise ConfigError(
             f"output_dir '{run_dir}' already holds a run: continue it with "
             f"`rlvr train --resume {run_dir}`, start over with --overwrite (moves it to "
