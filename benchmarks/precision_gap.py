@@ -41,7 +41,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tis-cap", type=float, default=2.0)
     parser.add_argument(
-        "--fp32-head", action="store_true", help="experiment: lm_head outside autocast (fp32 logits)"
+        "--fp32-head",
+        action="store_true",
+        help="experiment: lm_head outside autocast (fp32 logits)",
     )
     args = parser.parse_args()
 
