@@ -91,6 +91,33 @@ def all_failed(ev: Mapping[str, float]) -> bool:
     return bool(total) and ev.get("eval/errors", 0) >= total
 
 
+def check_error_fraction(trajectories: Sequence[Trajectory], step: int, limit: float) -> None:
+    """Stop a run whose step could not score more than `limit` of its rollouts (never train on
+    silent zeros); the error names what failed (reward, env, agent) and one example."""
+    failed = [t for t in trajectories if not t.usable]
+    if not failed or len(failed) / len(trajectories) <= limit:
+        return
+    raise RewardError(
+        f"step {step}: {len(failed)}/{len(trajectories)} rollouts could not be scored "
+        f"({failure_counts(failed)}), above train.max_reward_error_fraction={limit}; "
+        f"e.g. {describe_failure(failed[0])}"
+    )
+
+
+def check_eval_errors(
+    ev: Mapping[str, float], failures: Sequence[str], when: str, console: Any
+) -> None:
+    """Print a warning line on `console` (None: print nothing) when rollouts of eval `ev` failed;
+    stop when all of them did."""
+    from rich.markup import escape
+
+    errored = describe_errors(ev)
+    if errored and console is not None:
+        example = f"; e.g. {failures[0]}" if failures else ""
+        console.print(f"[bold yellow]{when}[/]: {escape(errored + example)}", soft_wrap=True)
+    refuse_if_all_failed(ev, failures, when)
+
+
 def refuse_if_all_failed(ev: Mapping[str, float], failures: Sequence[str], when: str) -> None:
     """Every held-out rollout failed: its 0% measures the failure, not the model. Say so and stop."""
     if all_failed(ev):

@@ -35,7 +35,7 @@ import os
 import random
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,14 +48,8 @@ from rich.markup import escape
 from rlvr.algorithms import ALGORITHMS
 from rlvr.build import build_optimizer, build_policy, rollout_limits
 from rlvr.config import RewardSpec, RunConfig, TaskConfig, config_to_dict, load_config
-from rlvr.errors import ConfigError, RewardError
-from rlvr.evaluate import (
-    describe_errors,
-    describe_failure,
-    evaluate_sources,
-    failure_counts,
-    refuse_if_all_failed,
-)
+from rlvr.errors import ConfigError
+from rlvr.evaluate import check_error_fraction, check_eval_errors, evaluate_sources
 from rlvr.models import Policy, load_policy
 from rlvr.observe.inspect import trajectory_rows, write_step_trajectories
 from rlvr.observe.metrics import (
@@ -70,7 +64,7 @@ from rlvr.observe.monitors import Alert, Monitors, apply_changes, mitigation
 from rlvr.observe.progress import Progress
 from rlvr.observe.tracking import NullTracker, Tracker, read_metrics
 from rlvr.observe.watchdog import Watchdog, watch
-from rlvr.records import Trajectory, flatten
+from rlvr.records import flatten
 from rlvr.rollout.generator import SamplingParams
 from rlvr.tasks import TaskSplits
 from rlvr.train.checkpoint import (
@@ -274,14 +268,14 @@ def train(
             monitors.observe(0, base)
             tracker.log(base, step=0)
             progress.note(f"held-out accuracy before training: {base['eval/accuracy']:.1%}")
-            errored = describe_errors(base)
-            if errored and is_main:  # never a silent 0%: failed rollouts are named, always
-                example = f"; e.g. {failures[0]}" if failures else ""
-                progress.console.print(
-                    f"[bold yellow]held-out eval before training[/]: {escape(errored + example)}",
-                    soft_wrap=True,
-                )
-            refuse_if_all_failed(base, failures, "held-out eval before training")
+            # Never a silent 0%: failed rollouts are named; all of them failing stops the run
+            # (under torchrun on rank 0's numbers, so every rank stops alike).
+            check_eval_errors(
+                base if dist is None else dist.broadcast_object(base),
+                failures,
+                "held-out eval before training",
+                progress.console if is_main else None,
+            )
             if stop_signals.requested(dist):
                 save(0)
                 raise stop_signals.interrupted(0, run_dir)
@@ -372,7 +366,7 @@ def train(
                 )
             summary.steps_done = step
             progress.update(step, metrics)
-            _check_reward_errors(flatten(sampled), step, cfg.train.max_reward_error_fraction)
+            check_error_fraction(flatten(sampled), step, cfg.train.max_reward_error_fraction)
             saved = summary.stopped_early or (
                 cfg.checkpoint.every and step % cfg.checkpoint.every == 0
             )
@@ -506,17 +500,6 @@ def absolutize_reward_files(cfg: RunConfig, config_dir: Path | None) -> RunConfi
             "mixture": mixture,
             "external": external,
         }
-    )
-
-
-def _check_reward_errors(trajectories: Sequence[Trajectory], step: int, limit: float) -> None:
-    failed = [t for t in trajectories if not t.usable]
-    if not failed or len(failed) / len(trajectories) <= limit:
-        return
-    raise RewardError(
-        f"step {step}: {len(failed)}/{len(trajectories)} rollouts could not be scored "
-        f"({failure_counts(failed)}), above train.max_reward_error_fraction={limit}; "
-        f"e.g. {describe_failure(failed[0])}"
     )
 
 
