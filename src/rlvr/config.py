@@ -424,7 +424,9 @@ class WatchdogConfig(_Section):
     )
     env_step_s: float = Field(600.0, ge=0.0, description="One env.reset or env.step call.")
     reward_s: float = Field(600.0, ge=0.0, description="One reward function on one rollout.")
-    update_s: float = Field(3600.0, ge=0.0, description="One policy update (all its micro-batches).")
+    update_s: float = Field(
+        3600.0, ge=0.0, description="One policy update (all its micro-batches)."
+    )
     server_request_s: float = Field(
         1800.0,
         ge=0.0,
