@@ -386,8 +386,7 @@ def evaluate_model(model: str, cfg: RunConfig, config_dir: Path, n: int) -> floa
     from rlvr.build import build_generator, rollout_limits
     from rlvr.evaluate import evaluate_sources
     from rlvr.models import load_policy
-    from rlvr.train.loop import absolutize_reward_files
-    from rlvr.train.sources import Sources
+    from rlvr.train.sources import Sources, absolutize_reward_files
 
     cfg = absolutize_reward_files(
         cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": model})}), config_dir

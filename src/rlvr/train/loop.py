@@ -47,7 +47,7 @@ from rich.markup import escape
 
 from rlvr.algorithms import ALGORITHMS
 from rlvr.build import build_optimizer, build_policy, rollout_limits
-from rlvr.config import RewardSpec, RunConfig, TaskConfig, config_to_dict, load_config
+from rlvr.config import RunConfig, config_to_dict, load_config
 from rlvr.errors import ConfigError
 from rlvr.evaluate import check_error_fraction, check_eval_errors, evaluate_sources
 from rlvr.models import Policy, load_policy
@@ -77,7 +77,7 @@ from rlvr.train.companions import RunCritic, build_teacher
 from rlvr.train.rollouts import RolloutPlan, torch_dist_context
 from rlvr.train.run_dir import StopSignals, check_run_dir, eval_history, open_run_dir
 from rlvr.train.selection import assign_credit, collect_groups
-from rlvr.train.sources import Sources
+from rlvr.train.sources import Sources, absolutize_reward_files
 from rlvr.train.update import policy_update, reference_logprobs
 
 
@@ -455,52 +455,6 @@ def ensure_reference(policy: Policy, cfg: RunConfig) -> None:
         # Loading must not move the run's RNG: a resumed run loads it at another moment.
         with torch.random.fork_rng(devices=[]):
             policy._reference = load_policy(cfg.model.name).model.eval().requires_grad_(False)
-
-
-def absolutize_reward_files(cfg: RunConfig, config_dir: Path | None) -> RunConfig:
-    """Resolve relative paths in the config against the config's folder and make them absolute:
-    'file.py:function' rewards and external agent, 'file.py:Family' envs and dataset files, in the
-    main task and in every mixture component. The run's saved config then works from anywhere."""
-    base = config_dir or Path.cwd()
-
-    def fix_spec(spec: str) -> str:
-        file_part, sep, attr = spec.rpartition(":")
-        if sep and file_part.endswith(".py") and not Path(file_part).is_absolute():
-            return f"{(base / file_part).resolve()}:{attr}"
-        return spec
-
-    def fix_task(task: TaskConfig) -> TaskConfig:
-        if task.dataset is not None:
-            updates = {}
-            for key in ("path", "heldout_path"):
-                value = getattr(task.dataset, key)
-                if value and not Path(value).is_absolute() and (base / value).exists():
-                    updates[key] = str((base / value).resolve())
-            if updates:
-                task = task.model_copy(update={"dataset": task.dataset.model_copy(update=updates)})
-        if task.env is not None and fix_spec(task.env.name) != task.env.name:
-            env = task.env.model_copy(update={"name": fix_spec(task.env.name)})
-            task = task.model_copy(update={"env": env})
-        return task
-
-    def fix_rewards(rewards: list[RewardSpec]) -> list[RewardSpec]:
-        return [r.model_copy(update={"fn": fix_spec(r.fn)}) for r in rewards]
-
-    mixture = [
-        c.model_copy(update={"task": fix_task(c.task), "rewards": fix_rewards(c.rewards)})
-        for c in cfg.mixture
-    ]
-    external = cfg.external
-    if external.agent is not None:
-        external = external.model_copy(update={"agent": fix_spec(external.agent)})
-    return cfg.model_copy(
-        update={
-            "task": fix_task(cfg.task),
-            "rewards": fix_rewards(cfg.rewards),
-            "mixture": mixture,
-            "external": external,
-        }
-    )
 
 
 def train_from_file(path: str, overrides: list[str] | None = None) -> RunSummary:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlvr.build import build_rubric
-from rlvr.config import MixtureComponent, RunConfig
+from rlvr.config import MixtureComponent, RewardSpec, RunConfig, TaskConfig
 from rlvr.envs import Env, EnvFamily, SingleTurnEnv, get_env_family
 from rlvr.errors import ConfigError
 from rlvr.records import Task
@@ -171,3 +171,49 @@ class Sources:
                 self.by_name[name].sampler.load_state_dict(sampler_state)
         rng_state = state["mixture_rng"]
         self.rng.setstate((rng_state[0], tuple(rng_state[1]), rng_state[2]))
+
+
+def absolutize_reward_files(cfg: RunConfig, config_dir: Path | None) -> RunConfig:
+    """Resolve relative paths in the config against the config's folder and make them absolute:
+    'file.py:function' rewards and external agent, 'file.py:Family' envs and dataset files, in the
+    main task and in every mixture component. The run's saved config then works from anywhere."""
+    base = config_dir or Path.cwd()
+
+    def fix_spec(spec: str) -> str:
+        file_part, sep, attr = spec.rpartition(":")
+        if sep and file_part.endswith(".py") and not Path(file_part).is_absolute():
+            return f"{(base / file_part).resolve()}:{attr}"
+        return spec
+
+    def fix_task(task: TaskConfig) -> TaskConfig:
+        if task.dataset is not None:
+            updates = {}
+            for key in ("path", "heldout_path"):
+                value = getattr(task.dataset, key)
+                if value and not Path(value).is_absolute() and (base / value).exists():
+                    updates[key] = str((base / value).resolve())
+            if updates:
+                task = task.model_copy(update={"dataset": task.dataset.model_copy(update=updates)})
+        if task.env is not None and fix_spec(task.env.name) != task.env.name:
+            env = task.env.model_copy(update={"name": fix_spec(task.env.name)})
+            task = task.model_copy(update={"env": env})
+        return task
+
+    def fix_rewards(rewards: list[RewardSpec]) -> list[RewardSpec]:
+        return [r.model_copy(update={"fn": fix_spec(r.fn)}) for r in rewards]
+
+    mixture = [
+        c.model_copy(update={"task": fix_task(c.task), "rewards": fix_rewards(c.rewards)})
+        for c in cfg.mixture
+    ]
+    external = cfg.external
+    if external.agent is not None:
+        external = external.model_copy(update={"agent": fix_spec(external.agent)})
+    return cfg.model_copy(
+        update={
+            "task": fix_task(cfg.task),
+            "rewards": fix_rewards(cfg.rewards),
+            "mixture": mixture,
+            "external": external,
+        }
+    )
