@@ -281,14 +281,21 @@ class ObjectiveConfig(_Section):
         1, ge=1, description="Policy updates per generated batch (mu in GRPO)."
     )
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight.")
-    credit: Literal["trajectory", "turn", "bi-level"] = Field(
+    credit: Literal["trajectory", "turn", "bi-level", "gigpo"] = Field(
         "trajectory",
         description="trajectory: every policy token gets the trajectory's group advantage; turn: "
-        "each turn gets the group advantage of its discounted return; bi-level: both, summed.",
+        "each turn gets the group advantage of its discounted return; bi-level: both, summed; "
+        "gigpo: the trajectory's advantage plus turn_weight x the turn's return normalised among "
+        "the group's turns that acted from the same state (GiGPO anchor states).",
     )
-    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount across turns (turn credit).")
+    gamma: float = Field(
+        1.0, ge=0.0, le=1.0, description="Discount across turns (turn, bi-level, gigpo credit)."
+    )
     turn_weight: float = Field(
-        1.0, ge=0.0, description="Weight of the turn advantage in bi-level credit."
+        1.0,
+        ge=0.0,
+        description="Weight of the turn advantage in bi-level credit (omega of the step "
+        "advantage in gigpo).",
     )
     kl_in_reward: bool = Field(
         False,
@@ -847,6 +854,12 @@ class RunConfig(_Section):
                 f"objective.credit turn replaces the outcome advantage with group-relative turn "
                 f"returns, so {self.algorithm}'s estimator would be unused: use credit bi-level "
                 f"({self.algorithm}'s advantage plus the turn term) or trajectory"
+            )
+        if obj.credit == "gigpo" and self.algorithm in _NOT_GROUP_RELATIVE:
+            raise ValueError(
+                f"objective.credit gigpo adds group-relative step advantages (anchor states) to a "
+                f"group-relative episode advantage; {self.algorithm}'s is not: use grpo, dr_grpo, "
+                "dapo, gspo or cispo, or credit bi-level"
             )
         if self.algorithm == "reinforce_pp" and obj.kl_in_reward and obj.credit != "trajectory":
             raise ValueError(

@@ -40,12 +40,17 @@ class EnvReset:
     tools: list[dict[str, Any]] = field(default_factory=list)
 
 
+STATE_KEY = "state_key"
+
+
 @dataclass(frozen=True)
 class EnvStep:
     """The answer to one assistant turn.
 
     `messages`: observation messages to append (empty when done). `rewards`: reward parts earned by
-    this turn, by name. `done`: the episode is over. `info`: counters for metrics (e.g. tool calls).
+    this turn, by name. `done`: the episode is over. `info`: counters for metrics (e.g. tool calls),
+    and optionally `info["state_key"]` (STATE_KEY), a hashable key of the state the next turn acts
+    from: GiGPO's credit groups turns by it instead of by the observation's text.
     """
 
     messages: list[Message] = field(default_factory=list)

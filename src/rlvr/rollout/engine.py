@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlvr.envs.base import Env, EnvStep, SingleTurnEnv
+from rlvr.envs.base import STATE_KEY, Env, EnvStep, SingleTurnEnv
 from rlvr.observe.watchdog import watch
 from rlvr.records import FinishReason, Group, Span, Task, Trajectory
 from rlvr.rollout.chat import (
@@ -86,6 +86,7 @@ class _Episode:
     turn_parts: list[dict[str, float]] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
     info: dict[str, float] = field(default_factory=dict)
+    state_keys: list[Any] = field(default_factory=list)  # env's `state_key` per step (GiGPO)
     last_text: str = ""
     finish: FinishReason | None = None
     error: str | None = None
@@ -233,9 +234,12 @@ def _advance(
         if not math.isfinite(value):
             raise ValueError(f"reward part {name!r} is {value}")
         parts[name] = float(value)
+    state_key = step.info.get(STATE_KEY)
+    hash(state_key)  # an unhashable key is the env's error, not a crash of the credit
     ep.turn_parts.append(parts)
+    ep.state_keys.append(state_key)
     for key, value in step.info.items():
-        if isinstance(value, (int, float)):
+        if key != STATE_KEY and isinstance(value, (int, float)):
             ep.info[key] = ep.info.get(key, 0.0) + float(value)
     if step.done:
         ep.finish = "length" if cut else "stop"
@@ -320,6 +324,8 @@ def _trajectory(
         sum(scoring.env_weights.get(n, 1.0) * v for n, v in turn.items()) for turn in ep.turn_parts
     ]
     info: dict[str, Any] = {**ep.info, "num_turns": len(ep.turns)}
+    if any(key is not None for key in ep.state_keys):
+        info["state_keys"] = tuple(ep.state_keys)  # read by GiGPO's credit (turn_state_keys)
     errors: dict[str, str] = {}
     if ep.error is not None:
         errors["env"] = ep.error

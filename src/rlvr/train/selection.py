@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from rlvr.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, group_reward_std, zero_outside
-from rlvr.algorithms.credit import token_advantages, turn_advantages
+from rlvr.algorithms.credit import (
+    anchor_group_metrics,
+    gigpo_step_advantages,
+    token_advantages,
+    turn_advantages,
+    turn_state_keys,
+)
 from rlvr.algorithms.filtering import select_groups
 from rlvr.algorithms.gae import (
     gae_advantages,
@@ -109,7 +115,8 @@ def assign_credit(
       whitened over the batch;
     - an outcome estimator (grpo, rloo, ...): one advantage per trajectory (the KL summed into its
       reward), spread over tokens as `objective.credit` says. Turn credit sees the same shaped,
-      KL-penalised reward, split by turn (`_shaped_turn_rewards`).
+      KL-penalised reward, split by turn (`_shaped_turn_rewards`); so does gigpo, whose step
+      advantages group turns by the state they acted from (`turn_state_keys`).
 
     Rows that did not score (a reward function raised) get no advantage and no KL: their reference
     log-probs are zeros (never computed), so their "KL" would be garbage (and the `kl` metric, which
@@ -118,10 +125,11 @@ def assign_credit(
     if not trajectories:
         return Credit([])
     obj, group_size = cfg.objective, cfg.sampling.group_size
-    if obj.credit == "turn" and estimator != "grpo":
+    if obj.credit in ("turn", "gigpo") and estimator != "grpo":
         # Turn credit is group-relative over turn returns: another estimator would be silently unused.
+        # GiGPO's step term is group-relative too, so its episode term must be (the paper's GRPO).
         raise ValueError(
-            f"objective.credit 'turn' needs a group-relative estimator, not {estimator!r}"
+            f"objective.credit {obj.credit!r} needs a group-relative estimator, not {estimator!r}"
         )
     metrics: dict[str, float] = {}
     shaping_B = torch.zeros(len(trajectories))
@@ -188,8 +196,26 @@ def assign_credit(
             [token_advantages(t, a, None) for t, a in zip(trajectories, advantages_B, strict=True)],
             metrics=metrics,
         )
+    shaped_turns = _shaped_turn_rewards(trajectories, shaping_B.tolist(), kl_rows, obj.beta)
+    if obj.credit == "gigpo":
+        keys = [turn_state_keys(t) for t in trajectories]
+        step = gigpo_step_advantages(
+            keys, shaped_turns, valid_B.tolist(), group_size, obj.gamma, obj.scale_rewards
+        )
+        metrics.update(
+            anchor_group_metrics(keys, shaped_turns, valid_B.tolist(), group_size, obj.gamma)
+        )
+        return Credit(
+            [
+                token_advantages(t, a, s, obj.turn_weight)
+                if t.turns
+                else token_advantages(t, a, None)
+                for t, a, s in zip(trajectories, advantages_B, step, strict=True)
+            ],
+            metrics=metrics,
+        )
     per_turn = turn_advantages(
-        _shaped_turn_rewards(trajectories, shaping_B.tolist(), kl_rows, obj.beta),
+        shaped_turns,
         valid_B.tolist(),
         group_size,
         gamma=obj.gamma,
