@@ -88,7 +88,7 @@ def test_invalid_action_is_penalised_and_changes_nothing(text: str, why: str) ->
     out = env.step(text)
     assert env.player == (0, 0)
     assert out.rewards == {"success": 0.0, "invalid_action": 1.0}
-    assert out.info == {"invalid_action": 1}
+    assert out.info == {"invalid_action": 1, "state_key": (0, 0)}
     assert not out.done
     content = out.messages[0]["content"]
     assert why in content and "Valid actions: Up, Down, Left, Right." in content
@@ -173,3 +173,14 @@ def test_family_metadata() -> None:
     assert FrozenLakeFamily.reward_weights["invalid_action"] == -0.1
     assert FrozenLakeFamily.example_config == "examples/env_frozenlake.yaml"
     assert FrozenLakeEnv.max_turns == 8
+
+
+def test_the_state_key_is_the_players_cell_whatever_the_observation_says() -> None:
+    """GiGPO's anchor states: the same cell reached by different moves has one key, while the
+    observation texts differ (they narrate the last move)."""
+    direct, detour = FrozenLakeEnv(make_task(LAKE)), FrozenLakeEnv(make_task(LAKE))
+    *_, by_right = [direct.step(answer(m)) for m in ("Right", "Right")]
+    *_, by_up = [detour.step(answer(m)) for m in ("Right", "Right", "Down", "Up")]
+    assert by_right.info["state_key"] == by_up.info["state_key"] == (0, 2)
+    assert by_right.messages != by_up.messages  # "You moved Right." vs "You moved Up."
+    assert not (by_right.done or by_up.done)

@@ -78,7 +78,7 @@ def test_walls_block_the_player() -> None:
     env.step(answer("Left"))
     out = env.step(answer("Left"))
     assert env.room.player == (2, 1)
-    assert out.info == {"no_effect": 1}
+    assert out.info == {"no_effect": 1, "state_key": ((2, 1), ((2, 3),))}
     assert out.rewards["invalid_action"] == 0.0
     assert "blocked" in out.messages[0]["content"]
 
@@ -86,7 +86,7 @@ def test_walls_block_the_player() -> None:
 def test_cannot_push_a_box_into_a_wall() -> None:
     env = env_for(["#####", "#_PX#", "#__O#", "#####"])
     out = env.step(answer("Right"))
-    assert out.info == {"no_effect": 1} and not out.done
+    assert out.info == {"no_effect": 1, "state_key": ((1, 2), ((1, 3),))} and not out.done
     assert out.rewards["invalid_action"] == 0.0
     assert env.room.player == (1, 2) and env.room.boxes == {(1, 3)}
 
@@ -94,7 +94,7 @@ def test_cannot_push_a_box_into_a_wall() -> None:
 def test_cannot_push_two_boxes() -> None:
     env = env_for(["######", "#PXX_#", "#___O#", "#___O#", "######"])
     out = env.step(answer("Right"))
-    assert out.info == {"no_effect": 1}
+    assert out.info == {"no_effect": 1, "state_key": ((1, 1), ((1, 2), (1, 3)))}
     assert env.room.player == (1, 1) and env.room.boxes == {(1, 2), (1, 3)}
 
 
@@ -118,7 +118,8 @@ def test_invalid_action_is_penalised_and_changes_nothing(text: str, why: str) ->
     out = env.step(text)
     assert env.room.rows() == LEVEL
     assert out.rewards == {"success": 0.0, "invalid_action": 1.0, "boxes_on_target": 0.0}
-    assert out.info == {"invalid_action": 1} and not out.done
+    assert out.info == {"invalid_action": 1, "state_key": ((2, 2), ((2, 3),))}
+    assert not out.done
     assert why in out.messages[0]["content"]
     assert "Valid actions: Up, Down, Left, Right." in out.messages[0]["content"]
 
@@ -169,3 +170,13 @@ def test_family_metadata() -> None:
         "boxes_on_target": 0.0,
     }
     assert SokobanFamily.example_config == "examples/env_sokoban.yaml"
+
+
+def test_the_state_key_is_player_and_boxes_whatever_the_observation_says() -> None:
+    """GiGPO's anchor states: one room state reached by different moves has one key, while the
+    observation texts differ (they narrate the last move)."""
+    direct, detour = env_for(LEVEL), env_for(LEVEL)
+    *_, by_up = [direct.step(answer(m)) for m in ("Up",)]
+    *_, by_left = [detour.step(answer(m)) for m in ("Up", "Right", "Left")]
+    assert by_up.info["state_key"] == by_left.info["state_key"] == ((1, 2), ((2, 3),))
+    assert by_up.messages != by_left.messages  # "You moved Up." vs "You moved Left."

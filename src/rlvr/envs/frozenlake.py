@@ -30,7 +30,16 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from rlvr.envs.base import Env, EnvFamily, EnvOptions, EnvReset, EnvStep, Message, register_env
+from rlvr.envs.base import (
+    STATE_KEY,
+    Env,
+    EnvFamily,
+    EnvOptions,
+    EnvReset,
+    EnvStep,
+    Message,
+    register_env,
+)
 from rlvr.errors import ConfigError
 from rlvr.records import Task
 from rlvr.verifiers.builtin import extract_tagged
@@ -136,7 +145,7 @@ class FrozenLakeEnv(Env):
             return EnvStep(
                 messages=[{"role": "user", "content": content}],
                 rewards={"success": 0.0, "invalid_action": 1.0},
-                info={"invalid_action": 1},
+                info={"invalid_action": 1, STATE_KEY: self.player},
             )
         direction = move
         if self.slippery and self.rng.random() < 1 / 3:
@@ -164,6 +173,9 @@ class FrozenLakeEnv(Env):
         observation: list[Message] = [
             {"role": "user", "content": f"{note}\n{self.render()}\n{ANSWER_FORMAT}"}
         ]
+        # The lake is the task's; the player's cell is the whole state. GiGPO groups turns by it:
+        # the observation's text also narrates the last move, which would split equal positions.
+        info[STATE_KEY] = self.player
         return EnvStep(
             messages=observation, rewards={"success": 0.0, "invalid_action": 0.0}, info=info
         )

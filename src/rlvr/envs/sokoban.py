@@ -27,7 +27,16 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from rlvr.envs.base import Env, EnvFamily, EnvOptions, EnvReset, EnvStep, Message, register_env
+from rlvr.envs.base import (
+    STATE_KEY,
+    Env,
+    EnvFamily,
+    EnvOptions,
+    EnvReset,
+    EnvStep,
+    Message,
+    register_env,
+)
 from rlvr.envs.frozenlake import ANSWER_FORMAT, MOVES, Cell, parse_move
 from rlvr.errors import ConfigError
 from rlvr.records import Task
@@ -191,6 +200,9 @@ class SokobanEnv(Env):
                 return EnvStep(rewards=rewards, done=True, info=info)
         content = f"{note}\n{self.render()}\n{ANSWER_FORMAT}"
         observation: list[Message] = [{"role": "user", "content": content}]
+        # The walls and targets are the task's; the player and the boxes are the state. GiGPO groups
+        # turns by it (the observation's text also narrates the last move).
+        info[STATE_KEY] = (self.room.player, tuple(sorted(self.room.boxes)))
         return EnvStep(messages=observation, rewards=rewards, info=info)
 
 
