@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench bench-all setup clean
+.PHONY: demo test test-fast lint bench bench-all efficacy setup clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,11 @@ bench-all: bench
 	$(BIN)/python benchmarks/scaling.py
 	$(BIN)/python benchmarks/vs_trl.py --learning
 	$(BIN)/python benchmarks/ray_scaling.py
+
+# The efficacy table (docs/efficacy.md): every built-in task trained from its example config on
+# SmolLM2, held-out before and after (benchmarks/efficacy.py; up to 30 min a row: hours in all).
+efficacy: $(STAMP)
+	$(BIN)/python benchmarks/efficacy.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
