@@ -61,9 +61,14 @@ class EnvStep:
 
 class Env(ABC):
     """One episode. Subclasses implement `reset` and `step`. `max_turns` is the default turn cap
-    (`rollout.max_turns` overrides it); a family may set it per instance, e.g. by puzzle size."""
+    (`rollout.max_turns` overrides it); a family may set it per instance, e.g. by puzzle size.
+
+    `episode_index` is the episode's place in its group (0..G-1), set by the engine before `reset`.
+    An env with chance in it (slippery ice) seeds from its task id and this index: the G episodes of
+    a group differ, and a replayed or resumed run draws exactly the same (no process counter)."""
 
     max_turns: int = 1
+    episode_index: int = 0
 
     @abstractmethod
     def reset(self) -> EnvReset: ...

@@ -108,10 +108,13 @@ def _configure(env: Env, limits: RolloutLimits) -> None:
         env.max_calls_per_turn = limits.max_tool_calls_per_turn
 
 
-def _start(task: Task, make_env: EnvFactory, tokenizer: Any, limits: RolloutLimits) -> _Episode:
+def _start(
+    task: Task, make_env: EnvFactory, tokenizer: Any, limits: RolloutLimits, index: int = 0
+) -> _Episode:
     try:
         env = make_env(task)
         _configure(env, limits)
+        env.episode_index = index  # its place in the group: seeds a random env (resume-safe)
         with watch("env_step", f"{type(env).__name__}.reset"):
             opening = env.reset()
     except Exception as exc:  # counted as an env error like a failing step, not a crash
@@ -260,7 +263,9 @@ def run_episodes(
     limits: RolloutLimits,
 ) -> list[list[_Episode]]:
     """Play `sampling.n` episodes of each task to the end; (P, G) finished episodes."""
-    episodes = [[_start(t, make_env, tokenizer, limits) for _ in range(sampling.n)] for t in tasks]
+    episodes = [
+        [_start(t, make_env, tokenizer, limits, i) for i in range(sampling.n)] for t in tasks
+    ]
     flat = [ep for group in episodes for ep in group]
     while live := [ep for ep in flat if ep.finish is None]:
         budget = min(sampling.max_new_tokens, max(limits.max_total_tokens - ep.used for ep in live))
