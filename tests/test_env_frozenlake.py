@@ -1,10 +1,13 @@
-"""FrozenLake env family: rules, slips, generated lakes are solvable, ids and splits, options."""
+"""FrozenLake env family (gymnasium's FrozenLake-v1 dynamics): rules, slips, generated lakes are
+solvable, ids and splits, options."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
-from rlvr.envs.base import split_instances
+from rlvr.envs.base import Env, split_instances
 from rlvr.envs.frozenlake import (
     MAX_TURNS_BY_SIZE,
     FrozenLakeEnv,
@@ -13,6 +16,7 @@ from rlvr.envs.frozenlake import (
     solve_frozenlake,
 )
 from rlvr.errors import ConfigError
+from rlvr.records import Task
 
 LAKE = ["PFFF", "FHFH", "FFFH", "HFFG"]
 
@@ -129,23 +133,102 @@ def test_ids_are_mostly_distinct_and_split_is_disjoint() -> None:
     assert not {t.id for t in train} & {t.id for t in heldout}
 
 
-def test_slippery_moves_are_seeded_per_env_and_reproducible() -> None:
-    open_lake = ["FFFFF", "FFFFF", "FFPFF", "FFFFF", "FFFFG"]
-    task = make_task(open_lake, slippery=True)
-    family = FrozenLakeFamily({"slippery": True})
-    envs = [family.make(task) for _ in range(300)]
-    assert len({e.seed for e in envs}) == 300  # each env of a task slips differently
-    again = FrozenLakeFamily({"slippery": True})
-    assert [again.make(task).seed for _ in range(300)] == [e.seed for e in envs]  # a run replays
+OPEN_LAKE = ["FFFFF", "FFFFF", "FFPFF", "FFFFF", "FFFFG"]
+
+
+def slippery_env(index: int, family: FrozenLakeFamily | None = None) -> FrozenLakeEnv:
+    """The env of the episode at `index` in its group, as the engine sets it up."""
+    env = (family or FrozenLakeFamily({"slippery": True})).make(make_task(OPEN_LAKE, slippery=True))
+    env.episode_index = index
+    assert isinstance(env, FrozenLakeEnv)
+    return env
+
+
+def test_slippery_moves_follow_gymnasium_frozenlake_v1() -> None:
+    """Changed on purpose with the move to gymnasium's FrozenLake-v1: a slippery move goes the
+    intended way with probability 1/3 and each perpendicular way with 1/3 (rlvr's hand-written
+    copy kept the intended direction with probability 2/3)."""
+    envs = [slippery_env(i) for i in range(300)]
+    assert len({e.seed for e in envs}) == 300  # each episode of a group slips differently
     ends = []
     for env in envs:
         out = env.step(answer("Up"))
         ends.append(env.player)
         assert env.player in {(1, 2), (2, 1), (2, 3)}  # intended or perpendicular
         assert out.info["slipped"] == int(env.player != (1, 2))
-    assert 60 < sum(p != (1, 2) for p in ends) < 140  # about 1/3 slip
-    assert FrozenLakeEnv(task, seed=7).seed == 7
-    assert FrozenLakeEnv(task).seed == FrozenLakeEnv(task).seed  # no seed: fixed by the task id
+        if env.player != (1, 2):
+            side = "Left" if env.player == (2, 1) else "Right"
+            assert f"You tried Up but slipped {side}." in out.messages[0]["content"]
+    for cell in [(1, 2), (2, 1), (2, 3)]:
+        assert 70 < ends.count(cell) < 130  # about 1/3 each
+
+
+def test_slips_come_from_the_task_and_episode_index_not_a_process_counter() -> None:
+    """A resumed run (a fresh process, a fresh family) slips exactly as the first run did."""
+
+    def walk(env: FrozenLakeEnv) -> list[tuple[int, int]]:
+        cells = []
+        for move in ["Up", "Left", "Down", "Right", "Down"]:
+            out = env.step(answer(move))
+            cells.append(env.player)
+            if out.done:
+                break
+        return cells
+
+    family = FrozenLakeFamily({"slippery": True})
+    for _ in range(10):  # envs made before must not change which slips an episode gets
+        family.make(make_task(OPEN_LAKE, slippery=True))
+    first = [walk(slippery_env(i, family)) for i in range(8)]
+    resumed = [walk(slippery_env(i)) for i in range(8)]
+    assert first == resumed
+    assert len({tuple(w) for w in first}) > 1  # the group's episodes differ
+    assert FrozenLakeEnv(make_task(OPEN_LAKE, True), seed=7).seed == 7
+
+
+def test_the_engine_gives_each_episode_of_a_group_its_index() -> None:
+    """Through the rollout engine: G episodes of one task get indices 0..G-1 (so they slip
+    differently), and replaying the round in a fresh family plays the same slips."""
+    from rlvr.models import tiny_tokenizer
+    from rlvr.rollout.engine import RolloutLimits, Scoring, rollout_groups
+    from rlvr.rollout.generator import Completion, SamplingParams
+
+    tok = tiny_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    reply = [*tok("<answer>Up</answer>", add_special_tokens=False)["input_ids"], eos]
+
+    class AlwaysUp:
+        def generate(
+            self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+        ) -> list[list[Completion]]:
+            completion = Completion(tuple(reply), (0.0,) * len(reply), "stop")
+            return [[completion] * sampling.n for _ in prompts]
+
+    made: list[FrozenLakeEnv] = []
+
+    def play() -> list[tuple[str, ...]]:
+        family = FrozenLakeFamily({"slippery": True})
+
+        def make_env(task: Task) -> Env:
+            env = family.make(task)
+            made.append(env)  # type: ignore[arg-type]
+            return env
+
+        groups = rollout_groups(
+            [make_task(OPEN_LAKE, slippery=True)],
+            make_env,
+            AlwaysUp(),
+            tok,
+            SamplingParams(n=6, max_new_tokens=32),
+            Scoring(env_weights=dict(FrozenLakeFamily.reward_weights)),
+            RolloutLimits(max_turns=4),
+        )
+        return [tuple(str(m["content"]) for m in t.messages) for t in groups[0].trajectories]
+
+    first = play()
+    assert [e.episode_index for e in made] == list(range(6))
+    assert play() == first
+    assert len(set(first)) > 1
+    assert any("slipped" in text for episode in first for text in episode)
 
 
 def test_not_slippery_never_slips() -> None:

@@ -8,11 +8,13 @@ stepping onto a hole H loses (episode over). A move into the lake's edge leaves 
 (a valid move without effect). An answer that is missing or not one of the four moves changes
 nothing and earns `invalid_action` 1.0 (weight -0.1); the observation says what was wrong.
 
-Slippery ice (`slippery: true`): a move slips with probability 1/3 to one of the two perpendicular
-directions, each equally likely (Gymnasium instead keeps the intended direction with probability
-1/3). Slips are drawn from the env's own `random.Random(seed)`. `make` gives each env a seed fixed by
-the task id and how many envs of that task this family made before, so the G envs of one group slip
-differently while a run replays exactly; without a seed the env seeds from the task id.
+The dynamics are Gymnasium's FrozenLake-v1 (`desc=` the task's map, `is_slippery`), played through
+the gymnasium adapter (rlvr.envs.gym_adapter); rlvr renders the lake, parses the answer and names the
+reward parts. Slippery ice (`slippery: true`), Gymnasium's rule: a move goes in the intended
+direction with probability 1/3 and to each of the two perpendicular directions with probability 1/3.
+(Before rlvr used gymnasium, a move slipped only with probability 1/3.) The chance is the gym env's,
+seeded from the task id and the episode's place in its group (`Env.episode_index`, set by the
+engine): the G episodes of a group slip differently, and a replayed or resumed run slips the same.
 
 Instances: start and goal are two random cells, every other cell is a hole with probability
 `hole_fraction`; the map is redrawn from the same rng until BFS finds a path of 2 to max_turns - 2
@@ -21,9 +23,7 @@ moves, so every instance is solvable without slips within the env's turn cap.
 
 from __future__ import annotations
 
-import hashlib
 import random
-import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -31,21 +31,20 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from rlvr.envs.base import (
-    STATE_KEY,
     Env,
     EnvFamily,
     EnvOptions,
-    EnvReset,
-    EnvStep,
-    Message,
     register_env,
 )
+from rlvr.envs.gym_adapter import GymEnv, GymSpec, InvalidAction
 from rlvr.errors import ConfigError
 from rlvr.records import Task
 from rlvr.verifiers.builtin import extract_tagged
 
 Cell = tuple[int, int]
 MOVES: dict[str, Cell] = {"Up": (-1, 0), "Down": (1, 0), "Left": (0, -1), "Right": (0, 1)}
+# Gymnasium FrozenLake's action numbers.
+GYM_ACTIONS: dict[str, int] = {"Left": 0, "Down": 1, "Right": 2, "Up": 3}
 _SIDEWAYS = ("Left", "Right")
 _PERPENDICULAR = {
     "Up": _SIDEWAYS,
@@ -91,8 +90,53 @@ def solve_frozenlake(rows: Sequence[str]) -> list[str] | None:
     return None
 
 
-def _seed_of(key: str) -> int:
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+def render_lake(rows: Sequence[str], player: Cell) -> str:
+    """The lake, one character per cell separated by spaces, top row first; P marks the player
+    (the start cell is frozen ice once the player has left it)."""
+
+    def char(r: int, c: int) -> str:
+        if (r, c) == player:
+            return "P"
+        return "F" if rows[r][c] == "P" else rows[r][c]
+
+    n = len(rows)
+    return "\n".join(" ".join(char(r, c) for c in range(n)) for r in range(n))
+
+
+def _parse_action(text: str) -> int:
+    move, problem = parse_move(text)
+    if move is None:
+        raise InvalidAction(problem)
+    return GYM_ACTIONS[move]
+
+
+def _gym_lake(task: Task) -> Any:
+    import gymnasium
+
+    desc = [str(r).replace("P", "S") for r in task.fields["rows"]]
+    slippery = bool(task.fields.get("slippery", False))
+    return gymnasium.make("FrozenLake-v1", desc=desc, is_slippery=slippery)
+
+
+def _render_state(state: Any, gym_env: Any) -> str:
+    rows = ["".join(b.decode() for b in row).replace("S", "P") for row in gym_env.unwrapped.desc]
+    return render_lake(rows, divmod(int(state), len(rows[0])))
+
+
+def _success(
+    reward: float, terminated: bool, truncated: bool, info: Mapping[str, Any]
+) -> dict[str, float]:
+    return {"success": 1.0 if reward > 0 else 0.0}
+
+
+SPEC = GymSpec(
+    make=_gym_lake,
+    render=_render_state,
+    parse=_parse_action,
+    rewards=_success,
+    reward_parts=("success",),
+    instruction=ANSWER_FORMAT,
+)
 
 
 class FrozenLakeOptions(EnvOptions):
@@ -101,84 +145,64 @@ class FrozenLakeOptions(EnvOptions):
         0.2, ge=0.0, le=0.5, description="Chance that a cell other than start and goal is a hole."
     )
     slippery: bool = Field(
-        False, description="Each move slips to a perpendicular direction with probability 1/3."
+        False,
+        description=(
+            "Gymnasium's slippery ice: a move goes the intended way with probability 1/3, "
+            "else to either perpendicular direction (1/3 each)."
+        ),
     )
 
 
-class FrozenLakeEnv(Env):
-    """One FrozenLake episode on a 4x4 lake (subclasses set the turn cap of bigger lakes)."""
+class FrozenLakeEnv(GymEnv):
+    """One FrozenLake episode on a 4x4 lake (subclasses set the turn cap of bigger lakes): gymnasium's
+    FrozenLake-v1 on the task's map. `seed` overrides the episode seed (see GymEnv)."""
 
     max_turns = 8
 
     def __init__(self, task: Task, seed: int | None = None) -> None:
         rows = [str(r) for r in task.fields["rows"]]
-        self.task, self.size = task, len(rows)
-        cells = [(r, c) for r in range(self.size) for c in range(self.size)]
-        self.holes = {(r, c) for r, c in cells if rows[r][c] == "H"}
-        self.goal = next((r, c) for r, c in cells if rows[r][c] == "G")
-        self.player = next((r, c) for r, c in cells if rows[r][c] == "P")
-        self.slippery = bool(task.fields.get("slippery", False))
-        self.seed = _seed_of(task.id) if seed is None else seed
-        self.rng = random.Random(self.seed)
-        self.done = False
+        self.size = len(rows)
+        super().__init__(task, SPEC, seed=seed)
 
-    def render(self) -> str:
-        """The lake, one character per cell separated by spaces, top row first."""
+    def state_key(self, observation: Any) -> Cell:
+        """The player's cell: the lake is the task's, so the cell is the whole state. GiGPO groups
+        turns by it (the observation's text also narrates the last move)."""
+        return self._cell(observation)
 
-        def char(cell: Cell) -> str:
-            if cell == self.player:
-                return "P"
-            return "G" if cell == self.goal else "H" if cell in self.holes else "F"
+    def _cell(self, state: Any) -> Cell:
+        r, c = divmod(int(state), self.size)
+        return (r, c)
 
-        n = self.size
-        return "\n".join(" ".join(char((r, c)) for c in range(n)) for r in range(n))
+    @property
+    def player(self) -> Cell:
+        """The player's cell (row, column)."""
+        self.start()
+        return self._cell(self.observation)
 
-    def reset(self) -> EnvReset:
-        return EnvReset(messages=[dict(m) for m in self.task.messages])
-
-    def step(self, assistant_text: str) -> EnvStep:
-        if self.done:
-            raise RuntimeError("step() called after the episode ended")
-        move, problem = parse_move(assistant_text)
-        if move is None:
-            content = f"{problem}\n{self.render()}\n{ANSWER_FORMAT}"
-            return EnvStep(
-                messages=[{"role": "user", "content": content}],
-                rewards={"success": 0.0, "invalid_action": 1.0},
-                info={"invalid_action": 1, STATE_KEY: self.player},
-            )
-        direction = move
-        if self.slippery and self.rng.random() < 1 / 3:
-            direction = self.rng.choice(_PERPENDICULAR[move])
+    def describe(
+        self, action: Any, before: Any, after: Any, reward: float, terminated: bool
+    ) -> tuple[str, dict[str, Any]]:
+        move = next(m for m, a in GYM_ACTIONS.items() if a == action)
+        old, new = self._cell(before), self._cell(after)
+        # Which way the player went: the intended move if it leads to the new cell, else the
+        # perpendicular one that does (the two cannot both stop at an edge on a lake this wide).
+        direction = next(d for d in (move, *_PERPENDICULAR[move]) if self._target(old, d) == new)
         note = (
             f"You moved {move}."
             if direction == move
             else f"You tried {move} but slipped {direction}."
         )
         info: dict[str, Any] = {"slipped": int(direction != move)}
-        dr, dc = MOVES[direction]
-        r, c = self.player[0] + dr, self.player[1] + dc
-        if 0 <= r < self.size and 0 <= c < self.size:
-            self.player = (r, c)
-        else:
+        if new == old:
             note += " The edge stopped you; you did not move."
             info["no_effect"] = 1
-        won = self.player == self.goal
-        if won or self.player in self.holes:
-            self.done = True
-            info["fell"] = int(not won)
-            return EnvStep(
-                rewards={"success": float(won), "invalid_action": 0.0}, done=True, info=info
-            )
-        observation: list[Message] = [
-            {"role": "user", "content": f"{note}\n{self.render()}\n{ANSWER_FORMAT}"}
-        ]
-        # The lake is the task's; the player's cell is the whole state. GiGPO groups turns by it:
-        # the observation's text also narrates the last move, which would split equal positions.
-        info[STATE_KEY] = self.player
-        return EnvStep(
-            messages=observation, rewards={"success": 0.0, "invalid_action": 0.0}, info=info
-        )
+        if terminated:
+            info["fell"] = int(reward <= 0)
+        return note, info
+
+    def _target(self, cell: Cell, move: str) -> Cell:
+        dr, dc = MOVES[move]
+        return (min(max(cell[0] + dr, 0), self.size - 1), min(max(cell[1] + dc, 0), self.size - 1))
 
 
 # Turn cap by map size: bigger lakes need longer walks.
@@ -188,14 +212,15 @@ MAX_TURNS_BY_SIZE: dict[int, int] = {4: 8, 5: 10, 6: 12}
 def make_task(rows: Sequence[str], slippery: bool = False) -> Task:
     """The task for one lake given as rows of P/F/H/G; its id is the rows (and the slip rule)."""
     rows = list(rows)
-    env = FrozenLakeEnv(Task(id="", messages=(), fields={"rows": rows}))
+    n = len(rows)
+    start = next((r, c) for r in range(n) for c in range(n) if rows[r][c] == "P")
     system = (
         "You are playing FrozenLake. Move the player P over the frozen ice F to the goal G. "
         "Stepping into a hole H loses the game. Each turn make one move: Up, Down, Left or Right."
         + (" The ice is slippery: a move sometimes goes sideways." if slippery else "")
         + "\nLegend: P player, F frozen ice, H hole, G goal."
     )
-    user = f"{env.render()}\n{ANSWER_FORMAT}"
+    user = f"{render_lake(rows, start)}\n{ANSWER_FORMAT}"
     key = "frozenlake:" + "/".join(rows) + (":slippery" if slippery else "")
     messages = ({"role": "system", "content": system}, {"role": "user", "content": user})
     return Task(id=key, messages=messages, fields={"rows": rows, "slippery": slippery})
@@ -211,11 +236,6 @@ class FrozenLakeFamily(EnvFamily):
     success_metric: ClassVar[str] = "success"
     reward_weights: ClassVar[Mapping[str, float]] = {"success": 1.0, "invalid_action": -0.1}
     example_config: ClassVar[str] = "examples/env_frozenlake.yaml"
-
-    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
-        super().__init__(options)
-        self._made: dict[str, int] = {}
-        self._lock = threading.Lock()
 
     def generate(self, seed: int) -> Task:
         opts = self.options
@@ -240,10 +260,7 @@ class FrozenLakeFamily(EnvFamily):
         )
 
     def make(self, task: Task) -> Env:
-        """A fresh env; its slip seed is fixed by the task id and the count of envs made for it."""
-        with self._lock:
-            k = self._made.get(task.id, 0)
-            self._made[task.id] = k + 1
-        env = FrozenLakeEnv(task, seed=_seed_of(f"{task.id}#{k}"))
+        """A fresh env; its slips are seeded by the task id and the episode's `episode_index`."""
+        env = FrozenLakeEnv(task)
         env.max_turns = MAX_TURNS_BY_SIZE.get(len(task.fields["rows"]), env.max_turns)
         return env
