@@ -14,6 +14,7 @@ from rlvr.envs.base import (
     split_instances,
     stable_fraction,
 )
+from rlvr.envs.gym_adapter import GymEnv, GymSpec, InvalidAction, gym_family
 
 __all__ = [
     "ENV_FAMILIES",
@@ -23,8 +24,12 @@ __all__ = [
     "EnvOptions",
     "EnvReset",
     "EnvStep",
+    "GymEnv",
+    "GymSpec",
+    "InvalidAction",
     "SingleTurnEnv",
     "get_env_family",
+    "gym_family",
     "register_env",
     "split_instances",
     "stable_fraction",
