@@ -15,13 +15,15 @@ observations tokenized on their own (rollout/chat.py), never a re-tokenization o
 Limits: the env's (or config's) max_turns, a budget on completion tokens (sampled + observations),
 and a cap on each observation message's tokens (truncated on a configured side).
 
-Why the engine re-prefills each live conversation every turn instead of keeping its KV cache: the
-Generator seam is stateless (vLLM's prefix cache makes that free there); on CPU at these lengths the
-prefill is a small part of a turn's cost. Noted as a known cost in NOTES.md.
+The Generator seam is stateless (vLLM's prefix cache makes re-sent conversations cheap there). A
+generator with a `turn_session()` context (HFGenerator with `generator.turn_cache`) keeps each live
+conversation's KV cache between the turns of one multi-turn rollout, so a turn prefills only the
+observation glue; the session ends (caches dropped) when the rollout returns, before any update.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -267,6 +269,21 @@ def run_episodes(
         [_start(t, make_env, tokenizer, limits, i) for i in range(sampling.n)] for t in tasks
     ]
     flat = [ep for group in episodes for ep in group]
+    session = getattr(generator, "turn_session", None)
+    multi_turn = any(ep.max_turns > 1 and ep.finish is None for ep in flat)
+    with session() if session is not None and multi_turn else contextlib.nullcontext():
+        _play(flat, generator, tokenizer, sampling, limits)
+    return episodes
+
+
+def _play(
+    flat: list[_Episode],
+    generator: Generator,
+    tokenizer: Any,
+    sampling: SamplingParams,
+    limits: RolloutLimits,
+) -> None:
+    """Turns until every episode is over (run_episodes' loop)."""
     while live := [ep for ep in flat if ep.finish is None]:
         budget = min(sampling.max_new_tokens, max(limits.max_total_tokens - ep.used for ep in live))
         pending: list[tuple[_Episode, str, bool, str]] = []
@@ -297,7 +314,6 @@ def run_episodes(
                 if len(ep.turn_parts) < len(ep.turns):  # one entry per turn, for turn credit
                     ep.turn_parts.append({})
                 ep.finish = "error"
-    return episodes
 
 
 def _unscored(ep: _Episode) -> Trajectory:

@@ -5,7 +5,9 @@ the batch until the longest one ends, and prefills each prompt once per sample. 
 - each distinct prompt is prefilled once and its KV cache repeated for its n samples;
 - rows that finished (EOS or a stop string) are dropped from the batch and the cache at once;
 - matmuls run under bf16 autocast when asked (about 4x the fp32 rate on these CPUs), while the
-  softmax / log-probs are taken in fp32.
+  softmax / log-probs are taken in fp32;
+- with `turn_cache`, inside `turn_session` (the engine's multi-turn rollouts) each conversation's
+  KV cache is kept from one turn to the next, so a turn prefills only its new tokens (turn_cache.py).
 Sampling draws from a `torch.Generator` owned by this object, whose state is checkpointed, so a resumed
 run samples exactly what the uninterrupted run would have.
 """
@@ -13,7 +15,7 @@ run samples exactly what the uninterrupted run would have.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +23,14 @@ from transformers import DynamicCache
 
 from rlvr.rollout.fastlinear import SkinnyLinear, merged_lora
 from rlvr.rollout.generator import Completion, SamplingParams
+from rlvr.rollout.turn_cache import (
+    Entry,
+    TurnCache,
+    cacheable,
+    extract_rows,
+    merge_batches,
+    past_from_entries,
+)
 
 
 def sample_from_logits(
@@ -107,6 +117,8 @@ class HFGenerator:
         min_shared_prefix: int = 32,
         skinny_linear: bool = True,
         merge_lora: bool = True,
+        turn_cache: bool = False,
+        turn_cache_mb: float = 1024.0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -118,6 +130,25 @@ class HFGenerator:
         self.skinny_linear = skinny_linear
         self.merge_lora = merge_lora
         self.rng = torch.Generator().manual_seed(seed)
+        self.turn_cache = turn_cache
+        self.turn_cache_mb = turn_cache_mb
+        self.turns: TurnCache | None = None  # open inside `turn_session` (turn_cache.py)
+        self._kept: list[tuple[tuple[int, ...], Entry]] = []
+
+    @contextlib.contextmanager
+    def turn_session(self) -> Iterator[TurnCache | None]:
+        """Keep each conversation's KV cache from one `generate` call to the next inside the block
+        (the engine opens one per multi-turn rollout); everything is dropped on exit. Yields the store
+        (its `stats`), or None when `turn_cache` is off. Nested sessions share the outer one."""
+        if not self.turn_cache or self.turns is not None:
+            yield self.turns
+            return
+        self.turns = TurnCache(max_bytes=int(self.turn_cache_mb * 2**20))
+        try:
+            yield self.turns
+        finally:
+            self.turns = None
+            self._kept = []
 
     # The sampler's state travels with checkpoints (see train/checkpoint.py).
     def get_state(self) -> torch.Tensor:
@@ -142,9 +173,15 @@ class HFGenerator:
             return []
         # Chunk so that a chunk's prompts x n rows stay under max_batch_rows.
         prompts_per_chunk = max(1, self.max_batch_rows // sampling.n)
+        if self.turns is not None:
+            self.turns.check_weights(self.model)
+        self._kept = []
         out: list[list[Completion]] = []
         for start in range(0, len(prompts), prompts_per_chunk):
             out.extend(self._generate_chunk(prompts[start : start + prompts_per_chunk], sampling))
+        if self.turns is not None:  # this call's rows replace the previous call's
+            self.turns.replace(self._kept)
+            self._kept = []
         return out
 
     @torch.no_grad()
@@ -167,8 +204,12 @@ class HFGenerator:
         num_prompts = len(prompts)
         if min(len(p) for p in prompts) == 0:
             raise ValueError("cannot generate from an empty prompt")
-        cache = DynamicCache()
-        logits_P_V, mask_P_L, next_pos_P = self._prefill(prompts, cache)
+        if self.turns is not None:
+            logits_P_V, mask_P_L, next_pos_P, cache = self._prefill_turns(prompts, self.turns)
+        else:
+            cache = DynamicCache()
+            logits_P_V, mask_P_L, next_pos_P = self._prefill(prompts, cache)
+        keep_rows = self.turns is not None and cacheable(cache)
         # One prefill per prompt; its cache is shared by the prompt's n samples.
         if n > 1:
             cache.batch_repeat_interleave(n)
@@ -197,8 +238,14 @@ class HFGenerator:
                 else:
                     keep.append(b)
             if not keep or step == sampling.max_new_tokens - 1:
+                if keep_rows:
+                    self._keep(cache, mask_B_L, range(len(active)), active, prompts, tokens, n)
                 break
             if len(keep) < len(active):
+                if keep_rows:
+                    kept = set(keep)
+                    done = [b for b in range(len(active)) if b not in kept]
+                    self._keep(cache, mask_B_L, done, active, prompts, tokens, n)
                 # Drop finished rows from the batch and the KV cache right away.
                 index = torch.tensor(keep, dtype=torch.long)
                 cache.batch_select_indices(index)
@@ -225,6 +272,61 @@ class HFGenerator:
             for r in range(rows)
         ]
         return [completions[i * n : (i + 1) * n] for i in range(num_prompts)]
+
+    def _keep(
+        self,
+        cache: DynamicCache,
+        mask_B_L: torch.Tensor,
+        batch_rows: Sequence[int],
+        active: list[int],
+        prompts: Sequence[Sequence[int]],
+        tokens: list[list[int]],
+        n: int,
+    ) -> None:
+        """Store finished rows for the next turn: the cache holds the prompt and every sampled token
+        but the last (sampled, never fed)."""
+        entries = extract_rows(cache, mask_B_L, batch_rows)
+        for b, entry in zip(batch_rows, entries, strict=True):
+            row = active[b]
+            key = (*prompts[row // n], *tokens[row][:-1])
+            assert len(key) == entry.length, (len(key), entry.length)
+            self._kept.append((tuple(int(t) for t in key), entry))
+
+    def _prefill_turns(
+        self, prompts: Sequence[Sequence[int]], turns: TurnCache
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache]:
+        """`_prefill`, but prompts that extend a stored conversation prefill only their new tokens;
+        the others take the plain path and the two batches are stacked (masked left padding)."""
+        matches = [turns.match(p) for p in prompts]
+        hit = [i for i, e in enumerate(matches) if e is not None]
+        miss = [i for i, e in enumerate(matches) if e is None]
+        reused = [matches[i] for i in hit]
+        turns.stats["hits"] += len(hit)
+        turns.stats["misses"] += len(miss)
+        turns.stats["reused_tokens"] += sum(e.length for e in reused if e is not None)
+        turns.stats["prefilled_tokens"] += sum(len(p) for p in prompts) - sum(
+            e.length for e in reused if e is not None
+        )
+        if not hit:
+            cache = DynamicCache()
+            return (*self._prefill(prompts, cache), cache)
+        entries = [e for e in reused if e is not None]
+        past, past_mask, past_length = past_from_entries(entries)
+        tails = [list(prompts[i][e.length :]) for i, e in zip(hit, entries, strict=True)]
+        logits, mask, next_pos = self._prefill_plain(tails, past, past_mask, past_length)
+        if not miss:
+            return logits, mask, next_pos, past
+        fresh = DynamicCache()
+        logits_m, mask_m, next_m = self._prefill([prompts[i] for i in miss], fresh)
+        cache, mask = merge_batches((past, mask), (fresh, mask_m))
+        inverse = torch.argsort(torch.tensor(hit + miss))  # back to prompt order
+        cache.batch_select_indices(inverse)
+        return (
+            torch.cat([logits, logits_m])[inverse],
+            mask[inverse],
+            torch.cat([next_pos, next_m])[inverse],
+            cache,
+        )
 
     def _prefill(
         self, prompts: Sequence[Sequence[int]], cache: DynamicCache
