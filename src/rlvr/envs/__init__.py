@@ -15,6 +15,7 @@ from rlvr.envs.base import (
     stable_fraction,
 )
 from rlvr.envs.gym_adapter import GymEnv, GymSpec, InvalidAction, gym_family
+from rlvr.envs.tools import Tool, ToolEnv
 
 __all__ = [
     "ENV_FAMILIES",
@@ -28,6 +29,8 @@ __all__ = [
     "GymSpec",
     "InvalidAction",
     "SingleTurnEnv",
+    "Tool",
+    "ToolEnv",
     "get_env_family",
     "gym_family",
     "register_env",
