@@ -673,6 +673,42 @@ class MixtureComponent(_Section):
         return data
 
 
+class ScheduleEntry(_Section):
+    step: int = Field(..., ge=0, description="From this step on (step 0: from the start).")
+    weights: dict[str, float] = Field(
+        ..., description="Mixture weight per component name; unnamed ones keep their own."
+    )
+
+
+class CurriculumConfig(_Section):
+    """Difficulty levels promoted on rolling train success, and/or mixture weights on a schedule
+    (rlvr.train.curriculum, docs/curriculum.md). Off while both lists are empty."""
+
+    levels: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Env option overrides per level, easiest first, over task.env.options.",
+    )
+    source: str | None = Field(
+        None, description="Mixture component the levels apply to (default: the only source)."
+    )
+    metric: str | None = Field(
+        None, description="Reward component (or 'reward') read as success; default eval's metric."
+    )
+    threshold: float = Field(0.8, description="Promote when the rolling success reaches this.")
+    window: int = Field(
+        8, ge=1, description="Rolling success = mean of the last N steps at a level."
+    )
+    min_steps_per_level: int | None = Field(
+        None, ge=1, description="Steps at a level before it can be left; default window."
+    )
+    eval_level: Literal["final", "current"] = Field(
+        "final", description="Held-out eval on the final level's tasks, or the current level's."
+    )
+    schedule: list[ScheduleEntry] = Field(
+        default_factory=list, description="Mixture weights from given steps on (needs a mixture)."
+    )
+
+
 AlgorithmName = Literal[
     "grpo",
     "dr_grpo",
@@ -778,6 +814,7 @@ class RunConfig(_Section):
     tracking: TrackingConfig = TrackingConfig()
     monitors: MonitorsConfig = MonitorsConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
     output_dir: str = Field("runs/latest", description="RUN_DIR: metrics, checkpoints, config.")
 
     @model_validator(mode="before")
@@ -905,6 +942,47 @@ class RunConfig(_Section):
             names = [c.name for c in self.mixture]
             if len(set(names)) != len(names):
                 raise ValueError("mixture component names must be unique")
+        return self
+
+    @model_validator(mode="after")
+    def _check_curriculum(self) -> RunConfig:
+        c, names = self.curriculum, [m.name for m in self.components()]
+        where = "curriculum"
+        if len(c.levels) == 1:
+            raise ValueError(f"{where}.levels needs at least two levels (one is no curriculum)")
+        if c.levels:
+            if c.source is None and self.mixture:
+                raise ValueError(f"{where}.source: name the mixture component the levels apply to")
+            name = c.source or names[0]
+            if name not in names:
+                raise ValueError(
+                    f"{where}.source '{name}' is not a task source ({', '.join(names)})"
+                )
+            if next(m for m in self.components() if m.name == name).task.source != "env":
+                raise ValueError(f"{where}.levels override env options: source '{name}' is no env")
+        elif c.source is not None or c.metric is not None:
+            raise ValueError(f"{where}.source / metric are read only with curriculum.levels")
+        if c.schedule and not self.mixture:
+            raise ValueError(f"{where}.schedule sets mixture weights: the run has no mixture")
+        steps = [e.step for e in c.schedule]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"{where}.schedule steps must increase: {steps}")
+        for i, e in enumerate(c.schedule):
+            unknown = sorted(set(e.weights) - set(names))
+            if unknown:
+                raise ValueError(
+                    f"{where}.schedule.{i}.weights: unknown source {unknown[0]!r} ({', '.join(names)})"
+                )
+            merged = {m.name: e.weights.get(m.name, m.weight) for m in self.mixture}
+            if min(merged.values()) < 0 or sum(merged.values()) <= 0:
+                raise ValueError(
+                    f"{where}.schedule.{i}.weights: need >= 0 and one > 0, got {merged}"
+                )
+        if (c.levels or c.schedule) and self.rollout.async_rollouts:
+            raise ValueError(
+                f"{where} changes the task sources between steps; rollout.async_rollouts samples "
+                "ahead of them: turn one off"
+            )
         return self
 
     def components(self) -> list[MixtureComponent]:

@@ -74,6 +74,7 @@ from rlvr.train.checkpoint import (
     save_checkpoint,
 )
 from rlvr.train.companions import RunCritic, build_teacher
+from rlvr.train.curriculum import Curriculum
 from rlvr.train.rollouts import RolloutPlan, torch_dist_context
 from rlvr.train.run_dir import StopSignals, check_run_dir, eval_history, open_run_dir
 from rlvr.train.selection import assign_credit, collect_groups
@@ -134,6 +135,7 @@ def train(
     if dist is not None and resume and dist.strategy == "fsdp":
         raise ConfigError("--resume under distributed.strategy fsdp is not supported yet; use ddp")
     sources = Sources(cfg, config_dir, tasks)
+    curriculum = Curriculum(cfg, sources, tasks)  # levels / scheduled weights (train/curriculum.py)
     policy = build_policy(cfg)
     # Made only now: a config, task or model that fails to load leaves no half-made run directory.
     open_run_dir(run_dir, overwrite=overwrite, main=dist is None or dist.is_main)
@@ -207,6 +209,7 @@ def train(
                 critic.load(checkpoint)
             state, generator_rng = load_training_state(checkpoint, optimizer, scheduler)
             generator.set_state(generator_rng)
+            curriculum.load_state_dict(state.get("curriculum"))  # before the samplers
             sources.load_state_dict(state["sampler"])
             start_step = int(state["step"])
             monitors.load_state_dict(state.get("monitors", {}))
@@ -255,7 +258,11 @@ def train(
                 scheduler=scheduler,
                 generator_rng=generator.get_state(),
                 sampler_state=sources.state_dict(),
-                extra_state={"algorithm": cfg.algorithm, "monitors": monitors.state_dict()},
+                extra_state={
+                    "algorithm": cfg.algorithm,
+                    "monitors": monitors.state_dict(),
+                    "curriculum": curriculum.state_dict(),
+                },
                 keep_last=cfg.checkpoint.keep_last,
                 save_extra=critic.save if critic is not None else None,
             )
@@ -284,6 +291,7 @@ def train(
         for step in range(start_step + 1, cfg.train.steps + 1):
             t0 = time.time()
             watchdog.step = step
+            curriculum.before_step(step)
             # 1. tasks -> rollouts (multi-turn when the env asks), scored; the filter keeps the
             #    groups worth learning from (StarPO-S / DAPO dynamic sampling)
             sampled, kept, filter_metrics = collect_groups(cfg, plan.sample_round)
@@ -352,9 +360,13 @@ def train(
                 metrics = dist.broadcast_object(metrics)
             # 5. the monitors read the history; an alert is an event row after this step's metrics,
             #    and its action applies from the next step (a mitigation is in the checkpoint)
+            promotions = curriculum.after_step(step, flatten(sampled), metrics)  # level changes now
             alerts = monitors.observe(step, metrics)
             metrics.update({f"alerts/{a.name}": 1.0 for a in alerts})
             tracker.log(metrics, step=step)
+            for event in promotions:  # an event row, as an alert's
+                tracker.log(event, step=step)
+                progress.console.print(escape(event["message"]))
             for alert in alerts:
                 cfg, stop = act_on_alert(alert, cfg, monitors, policy, tracker, progress)
                 summary.stopped_early = summary.stopped_early or stop

@@ -101,6 +101,18 @@ class Sources:
             c.name: _build_source(c, cfg, config_dir, tasks) for c in components
         }
         self.rng = random.Random(f"mixture:{cfg.train.seed}")
+        self.cfg, self.config_dir = cfg, config_dir  # to rebuild a source (a curriculum level)
+
+    def with_env_options(self, name: str, options: Mapping[str, Any]) -> Source:
+        """Source `name` as it is built with these env options (a curriculum level): its family,
+        train and held-out tasks, and a sampler at their start. The run's sources are unchanged."""
+        component = next(c for c in self.cfg.components() if c.name == name)
+        assert component.task.env is not None
+        env = component.task.env.model_copy(update={"options": dict(options)})
+        task = component.task.model_copy(update={"env": env})
+        return _build_source(
+            component.model_copy(update={"task": task}), self.cfg, self.config_dir, None
+        )
 
     @property
     def is_mixture(self) -> bool:
