@@ -55,7 +55,9 @@ def convert(value: float, from_unit: str, to_unit: str) -> str:
         if unit not in METRES_PER_UNIT:
             raise ValueError(f"unknown unit {unit!r} (use mm, cm, m or km)")
     result = value * METRES_PER_UNIT[from_unit] / METRES_PER_UNIT[to_unit]
-    return f"{result:.10g}"
+    # Plain decimals, never "2e-05": answers are read back with extract_last_number, which has no
+    # exponents (`rlvr env check` showed the scripted solver failing on such an answer).
+    return f"{result:.6f}".rstrip("0").rstrip(".")
 
 
 CONVERT = Tool.from_function(convert)

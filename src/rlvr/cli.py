@@ -238,6 +238,82 @@ def envs_command() -> None:
         print(f"{name:<{width}}  {family.description}{example}")
 
 
+env_app = typer.Typer(help="Work with environments.", no_args_is_help=True)
+app.add_typer(env_app, name="env")
+
+
+@env_app.command("check")
+def env_check_command(
+    name: Annotated[
+        str, typer.Argument(help="A built-in env name, or FILE.py:Family / module:Family.")
+    ],
+    model: Annotated[
+        str | None,
+        typer.Option("--model", help="Sample the turns from this model (dir, alias or hub id)."),
+    ] = None,
+    tokenizer: Annotated[
+        str,
+        typer.Option(
+            "--tokenizer", help="Tokenizer and chat template to render with (no --model)."
+        ),
+    ] = "smollm2-135m-instruct",
+    episodes: Annotated[int, typer.Option("--episodes", help="Episodes to play.")] = 2,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Env option: option=value (repeatable).")
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="First instance seed.")] = 0,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", help="Token cap per assistant turn.")
+    ] = 256,
+    max_turns: Annotated[
+        int | None, typer.Option("--max-turns", help="Turn cap (default: the env's).")
+    ] = None,
+    color: Annotated[
+        bool, typer.Option("--color", help="Trained tokens in green instead of [[...]].")
+    ] = False,
+) -> None:
+    """Play a few episodes (scripted, random or --model policy) and print, per turn, the rendered
+    chat template, the tool schemas as the model sees them, trained vs masked tokens and the reward
+    parts. Exits 1 when a mask or template invariant is broken."""
+    import yaml
+
+    from rlvr.errors import ConfigError
+
+    options: dict[str, Any] = {}
+    for item in set_ or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set '{item}': expected option=value")
+        options[key.strip()] = yaml.safe_load(value)
+    _quiet_libraries()
+    from rlvr.envs.check import check_env
+    from rlvr.models import eos_token_ids, load_policy, load_tokenizer, resolve_model_path
+
+    generator = None
+    if model is not None:
+        from rlvr.rollout.hf import HFGenerator
+
+        policy = load_policy(model)
+        tok = policy.tokenizer
+        eos = eos_token_ids(policy.model, tok)
+        generator = HFGenerator(policy.model, tok, eos, seed=seed, autocast_bf16=False)
+    else:
+        tok = load_tokenizer(resolve_model_path(tokenizer))
+    problems = check_env(
+        name,
+        tokenizer=tok,
+        options=options,
+        episodes=episodes,
+        seed=seed,
+        generator=generator,
+        max_new_tokens=max_new_tokens,
+        max_turns=max_turns,
+        colour=color,
+    )
+    if problems:
+        raise typer.Exit(1)
+
+
 runs_app = typer.Typer(help="Work with several run directories.", no_args_is_help=True)
 app.add_typer(runs_app, name="runs")
 

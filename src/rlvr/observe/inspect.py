@@ -280,3 +280,29 @@ def render_html(run_dir: Path, step: int | None = None, out: Path | None = None)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(page, encoding="utf-8")
     return target
+
+
+def mask_runs(tokens: Sequence[str], mask: Sequence[int]) -> list[tuple[str, bool]]:
+    """Consecutive tokens of the same mask joined: (text, trained) runs in order."""
+    runs: list[tuple[str, bool]] = []
+    for text, m in zip(tokens, mask, strict=True):
+        if runs and runs[-1][1] == bool(m):
+            runs[-1] = (runs[-1][0] + text, bool(m))
+        else:
+            runs.append((text, bool(m)))
+    return runs
+
+
+TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"
+
+
+def marked_text(tokens: Sequence[str], mask: Sequence[int], colour: bool = False) -> str:
+    """Token texts joined for a terminal: trained runs (policy_mask 1) in [[...]] (or green with
+    `colour`), masked ones as they are (or dim grey)."""
+    out = []
+    for text, trained in mask_runs(tokens, mask):
+        if colour:
+            out.append(f"\x1b[1;32m{text}\x1b[0m" if trained else f"\x1b[2;37m{text}\x1b[0m")
+        else:
+            out.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if trained else text)
+    return "".join(out)
