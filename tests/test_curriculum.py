@@ -22,6 +22,7 @@ from rlvr.envs.base import ENV_FAMILIES, EnvOptions
 from rlvr.envs.calculator import _PROBLEMS
 from rlvr.errors import ConfigError
 from rlvr.observe.metrics import WALL_CLOCK_METRICS
+from rlvr.observe.report import write_report
 from rlvr.observe.tracking import read_metrics
 from rlvr.records import Task, Trajectory
 from rlvr.train.curriculum import (
@@ -400,3 +401,28 @@ def test_resume_restores_the_level_window_and_sampler_exactly(
     assert task_ids(full.run_dir) == task_ids(tmp_path / "split")
     for step, ids in task_ids(full.run_dir).items():
         assert all(i.startswith(f"rung{a[step]['curriculum/level']}:") for i in ids)
+    # `rlvr report` plots the level, with the two promotions marked on that plot.
+    page = write_report(full.run_dir).read_text()
+    assert re.search(r'data-alert-markers="2"><img src="curriculum.png"', page)
+
+
+def test_report_marks_promotions_on_the_curriculum_plot_only(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    rows: list[dict[str, Any]] = []
+    for step in range(1, 7):
+        rows.append(
+            {"step": step, "reward": 0.1 * step, "curriculum/level": int(step > 3),
+             "curriculum/success": 0.2 * (step % 4)}
+        )  # fmt: skip
+        if step == 3:
+            rows.append({"step": 3, "event": PROMOTED, "action": "promote", "message": "0 -> 1"})
+        if step == 5:
+            rows[-1]["alerts/entropy_collapse"] = 1.0
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = write_report(run).read_text()
+    # Each plot is marked once: the reward plot by the alert, the curriculum plot by the promotion.
+    plots = re.findall(r'data-alert-markers="(\d+)"><img src="([a-z_]+).png"', page)
+    assert {png: n for n, png in plots} == {"reward": "1", "curriculum": "1"}
+    table = page.split('id="alerts"')[1]
+    assert "entropy_collapse" in table and PROMOTED not in table

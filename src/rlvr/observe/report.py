@@ -69,6 +69,7 @@ PANELS = (
     Panel("turns", "Turns per episode", (("turns/mean", "mean"), ("turns/max", "max"), ("turns/max_turns_ratio", "hit max_turns")), active=lambda v: any(x > 1 for x in v.get("turns/max", [])) or _any_nonzero({"r": v.get("turns/max_turns_ratio", [])})),
     Panel("critic_fit", "Critic: value loss, explained variance, clip fraction", (("critic/value_loss", "value loss"), ("critic/explained_variance", "explained variance"), ("critic/vf_clipfrac", "clip fraction"))),
     Panel("critic_values", "Critic values vs returns", (("critic/values_mean", "values"), ("critic/returns_mean", "returns"))),
+    Panel("curriculum", "Curriculum: level, rolling success, mixture weights", (("curriculum/level", "level (index into curriculum.levels)"), ("curriculum/success", "rolling success"), ("curriculum/weight/*", "weight {}"))),
     Panel("step_time", "Seconds per step", (("step_time", "step"), ("rollout_time", "rollout"), ("update_time", "update"))),
     Panel("throughput", "Policy update: model GFLOP/s achieved", (("perf/update_gflops_per_s", "update"),)),
 )  # fmt: skip
@@ -275,6 +276,9 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
         if isinstance(r, dict)
     }
     figures = []
+    # A curriculum's promotions are event rows too: marked on its own plot, not listed as alerts.
+    promotions = [a for a in run.alerts if a.name.startswith("curriculum/")]
+    alerts = [a for a in run.alerts if not a.name.startswith("curriculum/")]
     for panel in PANELS:
         curves = panel_curves(panel, run.series)
         if not curves or not panel.active({k: run.series[k][1] for k, _ in curves}):
@@ -289,7 +293,8 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
                 lines[same[0]] = (f"{lines[same[0]][0]} = {label}", lines[same[0]][1])
             else:
                 lines.append((label, run.series[key]))
-        markers = plot(out / f"{panel.slug}.png", panel.title, lines, run.alerts, panel.markers)
+        marks = promotions if panel.slug == "curriculum" else alerts
+        markers = plot(out / f"{panel.slug}.png", panel.title, lines, marks, panel.markers)
         figures.append(figure_html(f"{panel.slug}.png", ", ".join(k for k, _ in curves), markers))
 
     esc = html.escape
@@ -303,7 +308,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
         f"curves over {SMOOTH_ABOVE} points: raw (light) with an exponential moving average; a "
         "curve spanning over 100x is on a log scale. Under each plot: the metrics it shows.</p>"
         f'<div class="plots">{"".join(figures)}</div>'
-        + f'<h2 id="alerts">Alerts</h2>{_alerts_html(run.alerts)}'
+        + f'<h2 id="alerts">Alerts</h2>{_alerts_html(alerts)}'
         + '<h2 id="rollouts">Best and worst rollouts</h2>'
         + "<p>The first, middle and last step with rollouts; the top and bottom by reward.</p>"
         + _rollouts_section(run)
