@@ -426,3 +426,15 @@ def test_report_marks_promotions_on_the_curriculum_plot_only(tmp_path: Path) -> 
     assert {png: n for n, png in plots} == {"reward": "1", "curriculum": "1"}
     table = page.split('id="alerts"')[1]
     assert "entropy_collapse" in table and PROMOTED not in table
+
+
+def test_the_calculator_curriculum_example_builds() -> None:
+    """examples/env_calculator_curriculum.yaml: 1-operation train tasks first, 2-operation held-out
+    tasks (its final level) from the start."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "env_calculator_curriculum.yaml"
+    cfg = load_config(path, ["task.env.num_train=40", "task.env.num_heldout=10"])
+    cur = Curriculum(cfg, Sources(cfg, path.parent))
+    assert cur.levels == [{**cfg.task.env.options, "num_operations": n} for n in (1, 2)]  # type: ignore[union-attr]
+    source = cur.sources.by_name["main"]
+    assert {operations(t) for t in source.splits.train} == {1}
+    assert {operations(t) for t in source.splits.heldout} == {2}
