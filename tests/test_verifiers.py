@@ -289,6 +289,7 @@ def test_builtin_registry() -> None:
         "numeric_match",
         "math_equiv",
         "json_schema_format",
+        "think_answer_format_with_success",
         "tool_trace",
     }
     assert BUILTIN_REWARDS["numeric_match"] is numeric_match

@@ -32,6 +32,8 @@ __all__ = [
     "math_equiv",
     "numeric_match",
     "regex_format",
+    "think_answer_format_with_success",
+    "think_answer_parts",
 ]
 
 # A number as people write it: an optional sign (ASCII hyphen or the Unicode minus models sometimes
@@ -346,6 +348,64 @@ def json_schema_format(
     return 1.0 if validator.is_valid(value) else 0.0
 
 
+_THINK_ANSWER_RE = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
+_THINK_ANSWER_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+
+
+def think_answer_parts(text: str) -> tuple[str, str] | None:
+    """(reasoning, answer) when `text` is exactly `<think>R</think><answer>A</answer>`, else None.
+
+    Exactly one of each tag, in that order, with only whitespace around and between them; R and A
+    not empty and holding no tag of the two (nested or repeated tags are not the structure).
+    """
+    if any(text.count(tag) != 1 for tag in _THINK_ANSWER_TAGS):
+        return None
+    match = _THINK_ANSWER_RE.fullmatch(text)
+    if match is None:
+        return None
+    think, answer = match.group(1).strip(), match.group(2).strip()
+    return (think, answer) if think and answer else None
+
+
+# The answer checks `think_answer_format_with_success` may gate on.
+_SUCCESS_CHECKS = ("numeric_match", "exact_match", "math_equiv")
+
+
+def think_answer_format_with_success(
+    completion: str,
+    answer: Any,
+    check: str = "numeric_match",
+    bonus: float = 1.0,
+    **options: Any,
+) -> float:
+    """Reasoning-aware format shaping that cannot be farmed alone: `bonus` when the completion is
+    exactly `<think>...</think><answer>...</answer>` (see `think_answer_parts`) AND the answer is
+    right, else 0.0.
+
+    Correctness is the built-in answer check named by `check` (numeric_match, exact_match or
+    math_equiv), the same one an accuracy component uses, run on the `<answer>` content alone (so
+    a right number inside <think> earns nothing); other options (tolerance, case_sensitive, ...)
+    go to that check. A plain format reward (answer_tag_format, regex_format) pays a well-formed
+    wrong answer, so a policy can farm it without solving anything; this one pays only the solving
+    completions, for the format they used. The check's own errors (a non-numeric `answer` field)
+    raise as they would in the accuracy component.
+    """
+    if check not in _SUCCESS_CHECKS:
+        raise ConfigError(
+            "think_answer_format_with_success: check must be one of "
+            f"{', '.join(_SUCCESS_CHECKS)}; got {check!r}"
+        )
+    if not math.isfinite(bonus) or bonus <= 0:
+        raise ConfigError(f"think_answer_format_with_success: bonus must be > 0, got {bonus!r}")
+    correct = BUILTIN_REWARDS[check]
+    options = {k: v for k, v in options.items() if k not in ("extract", "tag")}
+    parts = think_answer_parts(completion)
+    if parts is None:
+        _ = correct("", answer=answer, **options)  # broken data raises even when the format fails
+        return 0.0
+    return bonus if correct(parts[1], answer=answer, **options) == 1.0 else 0.0
+
+
 BUILTIN_REWARDS: dict[str, Callable[..., float]] = {
     "answer_tag_format": answer_tag_format,
     "regex_format": regex_format,
@@ -353,6 +413,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., float]] = {
     "numeric_match": numeric_match,
     "math_equiv": math_equiv,
     "json_schema_format": json_schema_format,
+    "think_answer_format_with_success": think_answer_format_with_success,
     # "tool_trace" (rlvr.verifiers.trace) is added by rlvr/verifiers/__init__.py: it needs the
     # @trajectory_reward marker from rubric.py, which itself imports this module.
 }
