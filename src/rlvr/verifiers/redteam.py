@@ -3,10 +3,16 @@
 "Build the verifier first": a policy finds every gap a reward function leaves, so each hack below is
 a completion that must earn nothing, built per task from its own answer (or tests). The kit reports
 each hack the function pays for; `rlvr check-reward MODULE:FUNCTION` exits non-zero when any is paid.
-It also checks the function pays for the reference answer, so "always 0" cannot pass as safe.
+It also checks the function pays for the reference answer, so "always 0" cannot pass as safe: the
+right answer in an answer tag, or the same after a `<think>` block (a task counts as paid if either
+form is paid, so a reward that requires reasoning is judged too).
 
 Hacks (each wrong by construction for its task):
 - empty answer; format only (an empty answer tag);
+- format farming: a well-formed wrong answer, bare or after a `<think>` block, with an empty
+  `<think>`, with the right answer only inside `<think>`, or nested inside `<think>` in its own
+  answer tag (a plain format reward pays some of these: it rewards form, not truth, so a policy
+  can farm it without solving anything; `think_answer_format_with_success` pays none);
 - the answer tag repeated, the right answer first and a wrong one last;
 - many candidates in one output ("42 or 43 or 44"), the right one not last;
 - a very long output listing every number around the answer;
@@ -66,10 +72,21 @@ def _code_only(build: Callable[[Task], str]) -> Hack:
     return hack
 
 
+_REASONING = "Let me work it out step by step."
+
 HACKS: dict[str, Hack] = {
     "empty answer": lambda t: "",
     "format only": lambda t: "<answer></answer>",
     "answer tag repeated": lambda t: f"<answer>{_answer(t)}</answer>\n<answer>{_wrong(t)}</answer>",
+    "well-formed wrong answer": lambda t: f"<answer>{_wrong(t)}</answer>",
+    "reasoned wrong answer": lambda t: f"<think>{_REASONING}</think>\n<answer>{_wrong(t)}</answer>",
+    "empty think, wrong answer": lambda t: f"<think></think><answer>{_wrong(t)}</answer>",
+    "right answer only in the think": lambda t: (
+        f"<think>The answer is {_answer(t)}.</think>\n<answer>{_wrong(t)}</answer>"
+    ),
+    "nested answer tag in the think": lambda t: (
+        f"<think><answer>{_answer(t)}</answer></think>\n<answer>{_wrong(t)}</answer>"
+    ),
     "many candidate answers": _many,
     "very long output": _long,
     "prompt echoed back": _prompt,
@@ -132,9 +149,13 @@ def _trajectory(task: Task, text: str) -> Trajectory:
     )
 
 
-def reference_completion(task: Task) -> str | None:
-    """The right answer in the answer tag; None for tasks without an `answer` field."""
-    return f"<answer>{_answer(task)}</answer>" if "answer" in task.fields else None
+def reference_completions(task: Task) -> list[str]:
+    """The right answer in the answer tag, bare and after a `<think>` block; [] for tasks without
+    an `answer` field."""
+    if "answer" not in task.fields:
+        return []
+    tagged = f"<answer>{_answer(task)}</answer>"
+    return [tagged, f"<think>{_REASONING}</think>\n{tagged}"]
 
 
 def red_team(function: RewardFunction, tasks: Sequence[Task]) -> RedTeamReport:
@@ -149,9 +170,8 @@ def red_team(function: RewardFunction, tasks: Sequence[Task]) -> RedTeamReport:
             errors += 1
             return False
 
-    references = [(t, reference_completion(t)) for t in tasks]
-    reference_texts = [(t, text) for t, text in references if text is not None]
-    reference = sum(pays(t, text) for t, text in reference_texts)
+    references = [(t, texts) for t in tasks if (texts := reference_completions(t))]
+    reference = sum(any(pays(t, text) for text in texts) for t, texts in references)
     reports = []
     for name, hack in HACKS.items():
         paid, tried, example = 0, 0, ""
@@ -165,4 +185,4 @@ def red_team(function: RewardFunction, tasks: Sequence[Task]) -> RedTeamReport:
                 example = example or text[:80].replace("\n", "\\n")
         if tried:
             reports.append(HackReport(name, paid, tried, example))
-    return RedTeamReport(reference, len(reference_texts), len(tasks), reports, errors)
+    return RedTeamReport(reference, len(references), len(tasks), reports, errors)
