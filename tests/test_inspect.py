@@ -15,6 +15,8 @@ from rlvr.errors import ConfigError
 from rlvr.models import tiny_tokenizer
 from rlvr.observe.inspect import (
     available_steps,
+    marked_text,
+    render_all,
     render_html,
     trajectory_rows,
     write_step_trajectories,
@@ -75,6 +77,7 @@ def multi_turn(task_id: str) -> Trajectory:
         turns=(Span(n, a), Span(b, len(ids))),
         rewards={"correct": 1.0, "format": 0.5},
         reward=1.5,
+        turn_rewards=(0.5, 1.0),
         source="calc",
         info={"tool_calls": 1, "tool_failures": 0, "note": "dropped: not a number"},
     )
@@ -202,3 +205,83 @@ def test_cli_writes_the_page_and_reports_bad_run_dirs(tmp_path: Path) -> None:
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert "available steps: 7" in proc.stderr
+
+
+def shown_indices(page: Path) -> list[int]:
+    return [
+        int(i)
+        for i in re.findall(r'<div class="hdr"><span class="kv"><b>#(\d+)</b>', page.read_text())
+    ]
+
+
+def test_turn_rewards_in_rows_and_in_the_header(tmp_path: Path) -> None:
+    _, rows = build_rows()
+    assert rows[2]["turn_rewards"] == [0.5, 1.0] and rows[0]["turn_rewards"] == []
+    write_step_trajectories(tmp_path, 1, rows)
+    text = render_html(tmp_path).read_text()
+    assert text.count("turn rewards ") == 1 and "turn rewards 0.500, 1.000" in text
+    # a step file from before rows carried turn rewards still renders
+    old = [{k: v for k, v in r.items() if k != "turn_rewards"} for r in rows]
+    write_step_trajectories(tmp_path, 2, old)
+    assert "turn rewards" not in render_html(tmp_path, step=2).read_text()
+
+
+def test_sort_and_filter_by_reward(tmp_path: Path) -> None:
+    _, rows = build_rows()  # rewards: #0 1.0, #1 0.0, #2 1.5, #3 0.0
+    write_step_trajectories(tmp_path, 4, rows)
+    assert shown_indices(render_html(tmp_path)) == [0, 1, 2, 3]  # by group, as sampled
+    best = render_html(tmp_path, sort="reward", out=tmp_path / "best.html")
+    assert shown_indices(best) == [2, 0, 1, 3]
+    assert "all trajectories, highest reward first" in best.read_text()
+    worst = render_html(tmp_path, sort="-reward", out=tmp_path / "worst.html")
+    assert shown_indices(worst) == [1, 3, 0, 2]
+
+    high = render_html(tmp_path, min_reward=1.0, out=tmp_path / "high.html")
+    assert shown_indices(high) == [0, 2]
+    text = high.read_text()
+    assert "showing 2 of 4 trajectories (reward &ge; 1.000)" in text
+    assert "2 trajectories, mean reward 0.500" in text  # group means stay over the whole group
+    zero = render_html(tmp_path, sort="reward", max_reward=0.5, out=tmp_path / "zero.html")
+    assert shown_indices(zero) == [1, 3]
+    none = render_html(tmp_path, min_reward=5.0, out=tmp_path / "none.html")
+    assert shown_indices(none) == [] and "showing 0 of 4" in none.read_text()
+    with pytest.raises(ConfigError, match="sort 'best'"):
+        render_html(tmp_path, sort="best")  # type: ignore[arg-type]
+
+
+def test_pages_link_to_the_previous_and_next_saved_steps(tmp_path: Path) -> None:
+    _, rows = build_rows()
+    for step in (1, 12, 20):
+        write_step_trajectories(tmp_path, step, rows)
+    pages = render_all(tmp_path)
+    assert [p.name for p in pages] == ["step_000001.html", "step_000012.html", "step_000020.html"]
+    links = [re.findall(r'<a href="(step_\d+\.html)">', p.read_text()) for p in pages]
+    assert links == [
+        ["step_000012.html"],
+        ["step_000001.html", "step_000020.html"],
+        ["step_000012.html"],
+    ]
+    for page_links in links:  # every link resolves to a written page
+        assert all((tmp_path / "inspect" / name).is_file() for name in page_links)
+    assert "&larr; step 1</a> <b>step 12</b>" in pages[1].read_text()
+
+
+def test_marked_text_brackets_trained_runs() -> None:
+    tokens = ["<s>", "ask", "A", "B", "</s>", "obs", "C"]
+    mask = [0, 0, 1, 1, 1, 0, 1]
+    assert marked_text(tokens, mask) == "<s>ask[[AB</s>]]obs[[C]]"
+    coloured = marked_text(tokens, mask, colour=True)
+    assert "\x1b[1;32mAB</s>\x1b[0m" in coloured and "\x1b[2;37mobs\x1b[0m" in coloured
+
+
+def test_cli_sort_filter_and_all(tmp_path: Path) -> None:
+    _, rows = build_rows()
+    for step in (3, 5):
+        write_step_trajectories(tmp_path, step, rows)
+    proc = rlvr("inspect", str(tmp_path), "--all", "--sort", "reward", "--min-reward", "0.5")
+    assert proc.returncode == 0, proc.stderr
+    pages = [Path(line) for line in proc.stdout.split()]
+    assert [p.name for p in pages] == ["step_000003.html", "step_000005.html"]
+    assert shown_indices(pages[1]) == [2, 0] and 'href="step_000003.html"' in pages[1].read_text()
+    proc = rlvr("inspect", str(tmp_path), "--sort", "size")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --sort 'size'")

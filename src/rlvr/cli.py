@@ -176,14 +176,42 @@ def inspect_run(
     out: Annotated[
         Path | None,
         typer.Option(
-            "--out", help="HTML file to write (default: RUN_DIR/inspect/step_NNNNNN.html)."
+            "--out",
+            help="HTML file to write (default: RUN_DIR/inspect/step_NNNNNN.html); with --all, the "
+            "folder.",
         ),
     ] = None,
+    sort: Annotated[
+        str,
+        typer.Option(
+            "--sort", help="group (by task), reward (highest first) or -reward (lowest first)."
+        ),
+    ] = "group",
+    min_reward: Annotated[
+        float | None, typer.Option("--min-reward", help="Show only rewards >= this.")
+    ] = None,
+    max_reward: Annotated[
+        float | None, typer.Option("--max-reward", help="Show only rewards <= this.")
+    ] = None,
+    all_steps: Annotated[
+        bool, typer.Option("--all", help="Write every saved step's page (prev/next links).")
+    ] = False,
 ) -> None:
-    """Write a static HTML page of one step's trajectories, tokens coloured by mask and advantage."""
-    from rlvr.observe.inspect import render_html
+    """Write a static HTML page of one step's trajectories, tokens coloured by mask and advantage;
+    pages link to the previous / next saved steps."""
+    from rlvr.errors import ConfigError
+    from rlvr.observe.inspect import render_all, render_html
 
-    print(render_html(run_dir, step=step, out=out))
+    if sort not in ("group", "reward", "-reward"):
+        raise ConfigError(f"--sort '{sort}': expected group, reward or -reward")
+    bounds: dict[str, Any] = {"sort": sort, "min_reward": min_reward, "max_reward": max_reward}
+    if all_steps:
+        if step is not None:
+            raise ConfigError("give --step or --all, not both")
+        for page in render_all(run_dir, out, **bounds):
+            print(page)
+        return
+    print(render_html(run_dir, step=step, out=out, **bounds))
 
 
 @app.command("check-reward")

@@ -5,7 +5,11 @@ trajectory, from `trajectory_rows`); `render_html` turns one such file into RUN_
 Every token is a <span>: class `pol` (policy_mask 1, got gradient) with `adv-pos` / `adv-neg` / `adv-0`
 and a green / red background whose strength is |advantage| over the step's largest, or class `msk`
 (prompt, observations, template glue: grey, italic, dotted border). Trajectories are grouped by task id
-(a GRPO group). No scripts, no network: the page opens from disk.
+(a GRPO group), or sorted by reward, optionally filtered to a reward range; each header shows the
+reward parts and, for multi-turn episodes, each turn's reward. Every page links to the previous and next
+saved steps (`render_all` writes them all). No scripts, no network: the page opens from disk.
+
+`marked_text` renders a token run for a terminal (trained tokens in [[...]]): `rlvr env check` uses it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from rlvr.errors import ConfigError
 from rlvr.records import Trajectory
@@ -71,6 +75,7 @@ def trajectory_rows(
                 "task_id": traj.task_id,
                 "source": traj.source,
                 "reward": _num(traj.reward),
+                "turn_rewards": [_num(r) for r in traj.turn_rewards],
                 "rewards": {k: _num(v) for k, v in traj.rewards.items()},
                 "reward_errors": list(traj.reward_errors),
                 "finish_reason": traj.finish_reason,
@@ -137,6 +142,7 @@ details.prompt>summary{cursor:pointer;color:#555;font-size:.85em}
  border-radius:3px;padding:0 .4em;margin:0 .2em;font-style:normal}
 .bnd.obs{background:#999}
 .ok{color:#070}.bad{color:#b00}
+nav.steps{font-size:.9em;margin-bottom:.4em}nav.steps a{margin:0 .6em}
 """
 
 
@@ -168,6 +174,15 @@ def _token_html(row: dict[str, Any], t: int, scale: float) -> str:
     return f'<span class="tok pol {cls}" style="{style}" title="{title}">{shown}</span>'
 
 
+def _turn_rewards_text(row: dict[str, Any]) -> str:
+    """ "turn rewards a, b, c" (each turn's weighted reward) for multi-turn rows; "" otherwise (and
+    for step files written before rows carried them)."""
+    turn_rewards = row.get("turn_rewards") or []
+    if len(turn_rewards) < 2:
+        return ""
+    return "turn rewards " + ", ".join(_fmt(r) for r in turn_rewards)
+
+
 def _trajectory_html(index: int, row: dict[str, Any], scale: float) -> str:
     esc = html.escape
     info = row.get("info") or {}
@@ -179,6 +194,7 @@ def _trajectory_html(index: int, row: dict[str, Any], scale: float) -> str:
         " ".join(f"{esc(k)}={_fmt(v)}" for k, v in rewards.items()),
         f"finish {esc(str(row.get('finish_reason')))}",
         f"turns {len(row.get('turns') or [])}",
+        _turn_rewards_text(row),
         f"tokens {n} (policy {sum(row['policy_mask'])})",
     ]
     if row.get("source"):
@@ -218,8 +234,37 @@ def _trajectory_html(index: int, row: dict[str, Any], scale: float) -> str:
     )
 
 
-def render_html(run_dir: Path, step: int | None = None, out: Path | None = None) -> Path:
-    """Render one step (None: the latest) to `out` (default RUN_DIR/inspect/step_NNNNNN.html)."""
+Sort = Literal["group", "reward", "-reward"]
+
+
+def _step_links(steps: list[int], step: int) -> str:
+    """Links to the previous / next saved steps' pages (siblings in the same folder: write them
+    all with `rlvr inspect --all`)."""
+    i = steps.index(step)
+    prev = f'<a href="step_{steps[i - 1]:06d}.html">&larr; step {steps[i - 1]}</a>' if i else ""
+    nxt = (
+        f'<a href="step_{steps[i + 1]:06d}.html">step {steps[i + 1]} &rarr;</a>'
+        if i + 1 < len(steps)
+        else ""
+    )
+    return f'<nav class="steps">{prev} <b>step {step}</b> {nxt}</nav>'
+
+
+def render_html(
+    run_dir: Path,
+    step: int | None = None,
+    out: Path | None = None,
+    *,
+    sort: Sort = "group",
+    min_reward: float | None = None,
+    max_reward: float | None = None,
+) -> Path:
+    """Render one step (None: the latest) to `out` (default RUN_DIR/inspect/step_NNNNNN.html).
+
+    `sort`: "group" (by task, as sampled), "reward" (all trajectories, highest reward first) or
+    "-reward" (lowest first). `min_reward` / `max_reward` keep only trajectories whose reward is in
+    that range (a trajectory without a finite reward is dropped by either bound).
+    """
     run_dir = Path(run_dir)
     folder = run_dir / "trajectories"
     if not folder.is_dir():
@@ -235,6 +280,8 @@ def render_html(run_dir: Path, step: int | None = None, out: Path | None = None)
         raise ConfigError(
             f"step {step} not saved in '{folder}'; available steps: {_steps_text(steps)}"
         )
+    if sort not in ("group", "reward", "-reward"):
+        raise ConfigError(f"sort '{sort}': expected group, reward or -reward")
     rows = _read_rows(folder / f"step_{step:06d}.jsonl")
 
     scale = max(
@@ -252,16 +299,56 @@ def render_html(run_dir: Path, step: int | None = None, out: Path | None = None)
     rewards = [r["reward"] for r in rows if r.get("reward") is not None]
     mean = sum(rewards) / len(rewards) if rewards else float("nan")
     title = html.escape(f"{run_dir.name or run_dir} · step {step}")
+
+    def shown(row: dict[str, Any]) -> bool:
+        reward = row.get("reward")
+        if min_reward is None and max_reward is None:
+            return True
+        if reward is None:
+            return False
+        return (min_reward is None or reward >= min_reward) and (
+            max_reward is None or reward <= max_reward
+        )
+
+    kept = [(i, r) for i, r in enumerate(rows) if shown(r)]
     sections = []
-    for task_id, members in groups.items():
-        rs = [r["reward"] for _, r in members if r.get("reward") is not None]
-        group_mean = sum(rs) / len(rs) if rs else float("nan")
+    if sort == "group":
+        for task_id, members in groups.items():
+            visible = [(i, r) for i, r in members if shown(r)]
+            if not visible:
+                continue
+            rs = [r["reward"] for _, r in members if r.get("reward") is not None]
+            group_mean = sum(rs) / len(rs) if rs else float("nan")
+            sections.append(
+                f"<section><h2>task {html.escape(task_id)} "
+                f'<span class="kv">{len(members)} trajectories, mean reward {_fmt(group_mean)}'
+                f"</span></h2>"
+                + "".join(_trajectory_html(i, r, scale) for i, r in visible)
+                + "</section>"
+            )
+    else:
+        missing = float("-inf") if sort == "reward" else float("inf")
+        ordered = sorted(
+            kept,
+            key=lambda ir: ir[1]["reward"] if ir[1].get("reward") is not None else missing,
+            reverse=sort == "reward",
+        )
+        order = "highest" if sort == "reward" else "lowest"
         sections.append(
-            f"<section><h2>task {html.escape(task_id)} "
-            f'<span class="kv">{len(members)} trajectories, mean reward {_fmt(group_mean)}</span></h2>'
-            + "".join(_trajectory_html(i, r, scale) for i, r in members)
+            f"<section><h2>all trajectories, {order} reward first</h2>"
+            + "".join(_trajectory_html(i, r, scale) for i, r in ordered)
             + "</section>"
         )
+    bounds = [
+        f"reward &ge; {_fmt(min_reward)}" if min_reward is not None else "",
+        f"reward &le; {_fmt(max_reward)}" if max_reward is not None else "",
+    ]
+    bound_text = " and ".join(b for b in bounds if b)
+    filtered = (
+        f'<p class="kv">showing {len(kept)} of {len(rows)} trajectories ({bound_text})</p>'
+        if bound_text
+        else ""
+    )
     legend = (
         '<p class="legend toks"><span class="lg pol" style="background:rgba(0,170,60,.6)">'
         'advantage &gt; 0</span><span class="lg pol" style="background:rgba(220,30,30,.6)">'
@@ -272,14 +359,40 @@ def render_html(run_dir: Path, step: int | None = None, out: Path | None = None)
     page = (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f"<title>{title}</title><style>{_CSS}</style></head><body>"
+        f"{_step_links(steps, step)}"
         f"<h1>{title}</h1><p>{len(rows)} trajectories in {len(groups)} groups · "
         f"mean reward {_fmt(mean)} · steps saved: {html.escape(_steps_text(steps))}</p>"
-        f"{legend}{''.join(sections)}</body></html>\n"
+        f"{legend}{filtered}{''.join(sections)}</body></html>\n"
     )
     target = Path(out) if out is not None else run_dir / "inspect" / f"step_{step:06d}.html"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(page, encoding="utf-8")
     return target
+
+
+def render_all(
+    run_dir: Path,
+    out_dir: Path | None = None,
+    *,
+    sort: Sort = "group",
+    min_reward: float | None = None,
+    max_reward: float | None = None,
+) -> list[Path]:
+    """Every saved step's page into `out_dir` (default RUN_DIR/inspect/), so the prev/next links
+    between them all resolve."""
+    folder = Path(out_dir) if out_dir is not None else Path(run_dir) / "inspect"
+    steps = available_steps(run_dir) or [None]  # type: ignore[list-item]  # None: render_html says why
+    return [
+        render_html(
+            run_dir,
+            step,
+            None if step is None else folder / f"step_{step:06d}.html",
+            sort=sort,
+            min_reward=min_reward,
+            max_reward=max_reward,
+        )
+        for step in steps
+    ]
 
 
 def mask_runs(tokens: Sequence[str], mask: Sequence[int]) -> list[tuple[str, bool]]:
