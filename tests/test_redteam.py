@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from rlvr.config import ArithmeticConfig
 from rlvr.records import Task
@@ -45,7 +46,7 @@ FORMAT_FARMING = {
 def test_built_in_format_verifiers_pay_only_for_format_farming() -> None:
     """A format reward pays form, not truth: check-reward reports the well-formed wrong answers it
     pays (a policy can farm it alone), and no other hack."""
-    cases = {
+    cases: dict[str, dict[str, Any]] = {
         "answer_tag_format": {},
         "regex_format": {"pattern": r"<answer>-?\d+</answer>", "mode": "fullmatch"},
         "json_schema_format": {"schema": {"type": "integer"}},
