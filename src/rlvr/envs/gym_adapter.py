@@ -63,12 +63,14 @@ def stable_seed(key: str) -> int:
 
 
 def hashable(observation: Any) -> Hashable:
-    """A hashable, comparable copy of a gym observation: ints and floats as they are, arrays as
+    """A hashable, comparable copy of a gym observation: numbers as plain Python numbers, arrays as
     (shape, values), tuples and dicts element by element."""
     if isinstance(observation, (str, bytes, bool, int, float)) or observation is None:
         return observation
     if hasattr(observation, "tolist") and hasattr(observation, "shape"):  # numpy arrays, scalars
         values = observation.tolist()
+        if observation.shape == ():  # a numpy scalar: the plain Python number
+            return values
         return (tuple(observation.shape), _freeze(values))
     if isinstance(observation, Mapping):
         return tuple((k, hashable(observation[k])) for k in sorted(observation))
