@@ -31,7 +31,7 @@ def write_module(folder: Path) -> Path:
 
 def run_check(name: str, **kwargs: object) -> tuple[int, str]:
     lines: list[str] = []
-    problems = check_env(name, tokenizer=tiny_tokenizer(), write=lines.append, **kwargs)  # type: ignore[arg-type]
+    problems = check_env(name, tokenizer=tiny_tokenizer(), write=lines.append, **kwargs)
     return problems, "\n".join(lines)
 
 

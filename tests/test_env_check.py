@@ -20,7 +20,7 @@ TRAINED = re.compile(re.escape(TRAINED_OPEN) + r"(.*?)" + re.escape(TRAINED_CLOS
 
 def run_check(name: str, **kwargs: object) -> tuple[int, str]:
     lines: list[str] = []
-    problems = check_env(name, write=lines.append, **kwargs)  # type: ignore[arg-type]
+    problems = check_env(name, write=lines.append, **kwargs)
     return problems, "\n".join(lines)
 
 

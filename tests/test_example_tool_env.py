@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -11,6 +12,7 @@ from rlvr.config import load_config
 from rlvr.envs import Tool, ToolEnv, get_env_family
 from rlvr.models import tiny_tokenizer
 from rlvr.observe.tracking import read_metrics
+from rlvr.records import Task
 from rlvr.rollout.engine import RolloutLimits, Scoring, rollout_groups
 from rlvr.rollout.generator import SamplingParams
 from rlvr.train.loop import train
@@ -19,7 +21,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 FAMILY = str(EXAMPLES / "unit_converter_env.py") + ":UnitConverterFamily"
 
 
-def family():  # type: ignore[no-untyped-def]
+def family() -> Any:
     return get_env_family(FAMILY)
 
 
@@ -83,9 +85,13 @@ def test_the_scripted_policy_solves_every_instance_through_the_engine() -> None:
         task = fam.generate(seed)
         recorder = _Recorder(fam.make(task))
         gen = _PolicyGenerator(fam.scripted_action, tokenizer, task, recorder)
+
+        def make_env(_task: Task, recorder: _Recorder = recorder) -> _Recorder:
+            return recorder
+
         traj = rollout_groups(
             [task],
-            lambda _t, r=recorder: r,
+            make_env,
             gen,
             tokenizer,
             SamplingParams(n=1, max_new_tokens=256),
