@@ -64,6 +64,8 @@ ROWS = [
     Row("calculator-2op", "calculator, 2 operations", "env_calculator.yaml", ">= 50%",
         target_after=0.50, overrides=("task.env.options.num_operations=2", "rollout.max_turns=4",
                                       "rollout.max_total_tokens=192")),
+    Row("calculator-2op-curriculum", "calculator, 2 operations, via a 1 -> 2 curriculum",
+        "env_calculator_curriculum.yaml", ">= 50%", target_after=0.50),
     Row("bandit", "bandit", "env_bandit.yaml", "best arm >= 95%", target_after=0.95,
         overrides=HELDOUT_200),
     Row("frozenlake", "frozenlake 4x4, not slippery", "env_frozenlake.yaml", "+30 points",
