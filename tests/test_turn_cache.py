@@ -277,3 +277,23 @@ def test_single_turn_rollouts_open_no_session(tiny: tuple[Any, Any]) -> None:
     assert opened == []
     run_episodes(tasks(), CountdownEnv, generator, tok, sampling, RolloutLimits(env_workers=1))
     assert opened == [True]
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_config_knob_reaches_the_generator(tiny_model_dir: Path, on: bool) -> None:
+    from rlvr.build import build_generator
+    from rlvr.config import load_config
+
+    assert load_config(None).generator.turn_cache is True  # on by default
+    cfg = load_config(
+        None,
+        [
+            "model.bf16='off'",
+            f"generator.turn_cache={str(on).lower()}",
+            "generator.turn_cache_mb=3",
+        ],
+    )
+    generator = build_generator(load_policy(str(tiny_model_dir)), cfg)
+    with generator.turn_session() as store:
+        assert (store is not None) == on
+        assert store is None or store.max_bytes == 3 * 2**20

@@ -92,6 +92,8 @@ def build_generator(policy: Policy, cfg: RunConfig) -> HFGenerator:
         eos_token_ids(policy.model, policy.tokenizer),
         seed=cfg.train.seed,
         autocast_bf16=use_bf16(cfg.model),
+        turn_cache=cfg.generator.turn_cache,
+        turn_cache_mb=cfg.generator.turn_cache_mb,
     )
 
 

@@ -177,6 +177,19 @@ class GeneratorConfig(_Section):
     request_timeout_s: float = Field(600.0, gt=0.0)
     max_concurrency: int = Field(32, ge=1, description="Requests in flight at once.")
     startup_timeout_s: float = Field(600.0, gt=0.0, description="Wait for a launched server.")
+    turn_cache: bool = Field(
+        True,
+        description="hf backend, multi-turn rollouts: keep each live episode's KV cache from one "
+        "turn to the next, so a turn prefills only its new tokens (the observation) instead of "
+        "the whole conversation. Same samples and log-probs as without it (to float rounding); "
+        "dropped when the rollout ends, before every update (rollout/turn_cache.py).",
+    )
+    turn_cache_mb: float = Field(
+        1024.0,
+        ge=0.0,
+        description="Memory cap of the turn cache (MiB); episodes past it re-prefill their "
+        "conversation next turn.",
+    )
 
 
 class DistributedConfig(_Section):

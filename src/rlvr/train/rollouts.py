@@ -117,6 +117,8 @@ class RolloutPlan:
             eos_token_ids(model, self.policy.tokenizer),
             seed=seed,
             autocast_bf16=use_bf16(self.cfg.model),
+            turn_cache=self.cfg.generator.turn_cache,
+            turn_cache_mb=self.cfg.generator.turn_cache_mb,
         )
 
     def _rollout(self, tasks: list[Task], generator: Generator) -> list[Group]:
