@@ -270,7 +270,7 @@ def test_single_turn_rollouts_open_no_session(tiny: tuple[Any, Any]) -> None:
         opened.append(True)
         return real()
 
-    generator.turn_session = spy  # type: ignore[method-assign]
+    generator.turn_session = spy
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=4)
     limits = RolloutLimits(max_turns=1, max_total_tokens=50, env_workers=1)
     run_episodes(tasks(), CountdownEnv, generator, tok, sampling, limits)
