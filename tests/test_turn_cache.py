@@ -297,3 +297,16 @@ def test_the_config_knob_reaches_the_generator(tiny_model_dir: Path, on: bool) -
     with generator.turn_session() as store:
         assert (store is not None) == on
         assert store is None or store.max_bytes == 3 * 2**20
+
+
+def test_ray_workers_timing_wrapper_keeps_the_session(tiny: tuple[Any, Any]) -> None:
+    """Ray rollout workers wrap their generator to time it; the wrapper must pass the engine's
+    turn session through, or multi-turn rollouts on Ray would silently re-prefill every turn."""
+    from rlvr.scale.ray_rollout import _TimedGenerator
+
+    inner = make_gen(*tiny, cached=True)
+    wrapped = _TimedGenerator(inner)
+    assert inner.turns is None
+    with wrapped.turn_session():
+        assert inner.turns is not None  # the inner store is open for the rollout
+    assert inner.turns is None

@@ -93,6 +93,12 @@ class _TimedGenerator:
         finally:
             self.seconds += time.perf_counter() - started
 
+    def turn_session(self) -> contextlib.AbstractContextManager[Any]:
+        """The inner generator's cross-turn KV cache session (rollout/hf.py), when it has one: the
+        engine looks for this method, and a wrapper without it would turn the cache off."""
+        session = getattr(self.inner, "turn_session", None)
+        return session() if session is not None else contextlib.nullcontext()
+
 
 class RolloutWorker:
     """What runs inside one Ray actor: a policy copy, its generator, the run's envs and scoring.
