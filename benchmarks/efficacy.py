@@ -259,7 +259,7 @@ def render(results: list[dict[str, Any]]) -> str:
         low, high = r["gain_ci95"]
         lines.append(
             f"| {r['task']} | {r['target']} | {r['n']} | {r['before']:.1%} | {r['after']:.1%} | "
-            f"{r['gain']:+.1%} ({low:+.1%}, {high:+.1%}) | {mean_k} | "
+            f"{100 * r['gain']:+.1f} pts ({100 * low:+.1f}, {100 * high:+.1f}) | {mean_k} | "
             f"{r['tool_call_rate_after']:.0%} | {r['turns_after']:.1f} | {r['steps']} | "
             f"{r['train_minutes']:.1f} | {'yes' if r['met'] else 'no'} | {r['cpu']} | "
             f"`{r['command']}` |"
