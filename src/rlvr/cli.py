@@ -1,4 +1,8 @@
-"""`rlvr train | eval | serve | ...`: user errors print one line (`error: ...`) and exit 2, never a traceback."""
+"""`rlvr train | eval | serve | ...`: user errors print one line (`error: ...`) and exit 2, never a traceback.
+
+Longer than our ~500-line guide on purpose: each command here is only its options, help text and a
+call into the module that does the work; one file is where a user reads what the CLI offers.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
 """Failure-mode monitors: rules over a run's metric history, evaluated after every step.
+(At ~500 lines: new rules go in their own module and join through `Monitors(extra=...)`.)
 
 A rule is a pure function of the history (one dict of finite metrics per step, oldest first) and its
 config section: it returns a `Finding` (a one-line message and the numbers behind it) while it holds,
