@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/rlvr train examples/quickstart.yaml --overwrite
 
-# The suite at this CPU's precision, then the tests marked `precision` (their path depends on
-# `model.bf16: auto`) again with auto resolved the other way: bf16 autocast on an AVX2 host, fp32 on a
-# native-bf16 one. So no CPU kind can land a change that breaks the other (tests/conftest.py).
+# The suite as `model.bf16: auto` resolves here (fp32 unless RLVR_AUTO_BF16 says otherwise), then the
+# tests marked `precision` (their path depends on `auto`) again with auto resolved the other way (bf16
+# autocast), on any CPU kind: no machine can land a change that breaks the other path (tests/conftest.py).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	@other=$$($(BIN)/python -c "from rlvr.build import native_bf16; print('off' if native_bf16() else 'on')"); \

@@ -155,6 +155,7 @@ def measure(
     row: Row, budget_minutes: float, n: int, k: int, runs_dir: Path, extra: list[str]
 ) -> dict[str, Any]:
     """Before, train, after for one row; `extra` are more `--set` overrides (tests use a tiny model)."""
+    from rlvr.build import use_bf16
     from rlvr.config import load_config
     from rlvr.evaluate_cli import load_model
     from rlvr.models import load_policy
@@ -204,6 +205,7 @@ def measure(
         "train_minutes": wall,
         "budget_minutes": budget_minutes,
         "cpu": cpu_kind(),
+        "precision": "bf16 autocast" if use_bf16(cfg.model) else "fp32",
         "date": time.strftime("%Y-%m-%d"),
         "target": row.target,
         "met": met(row, acc_before, acc_after, wall, after["tool_call_rate"]),
@@ -228,6 +230,11 @@ def met(row: Row, before: float, after: float, minutes: float, tool_rate: float)
     return after - before >= row.target_gain
 
 
+# Rows measured before results named their precision ran while `model.bf16: auto` still resolved to
+# bf16 autocast on avx512_bf16 CPUs (it is fp32 on every CPU since; docs/performance.md).
+PRECISION_BEFORE_IT_WAS_RECORDED = "bf16 autocast (auto, before it became fp32)"
+
+
 def render(results: list[dict[str, Any]]) -> str:
     """docs/efficacy.md from the newest result of every row (rows not yet measured say so)."""
     newest = {r["row"]: r for r in results}
@@ -242,7 +249,7 @@ def render(results: list[dict[str, Any]]) -> str:
         "split is disjoint by construction), and no setting was tuned on them. Rows are measured one",
         "at a time on a 2-core CPU; `train min` is training wall time, evals excluded.",
         "",
-        "| task | target | n | before | after | gain (95% CI) | mean@k before -> after | tool calls | turns | steps | train min | met | CPU | command |",
+        "| task | target | n | before | after | gain (95% CI) | mean@k before -> after | tool calls | turns | steps | train min | met | CPU; precision | command |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for row in ROWS:
@@ -261,7 +268,8 @@ def render(results: list[dict[str, Any]]) -> str:
             f"| {r['task']} | {r['target']} | {r['n']} | {r['before']:.1%} | {r['after']:.1%} | "
             f"{100 * r['gain']:+.1f} pts ({100 * low:+.1f}, {100 * high:+.1f}) | {mean_k} | "
             f"{r['tool_call_rate_after']:.0%} | {r['turns_after']:.1f} | {r['steps']} | "
-            f"{r['train_minutes']:.1f} | {'yes' if r['met'] else 'no'} | {r['cpu']} | "
+            f"{r['train_minutes']:.1f} | {'yes' if r['met'] else 'no'} | {r['cpu']}; "
+            f"{r.get('precision', PRECISION_BEFORE_IT_WAS_RECORDED)} | "
             f"`{r['command']}` |"
         )
     lines += ["", "## Notes per row", ""]

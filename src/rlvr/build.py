@@ -39,21 +39,27 @@ AUTO_BF16_ENV = "RLVR_AUTO_BF16"
 
 
 def native_bf16() -> bool:
-    """True when this CPU has native bf16 matmuls (avx512_bf16 / AMX); rlvr's matmuls run on the CPU.
+    """Whether `model.bf16: auto` turns bf16 autocast on here: off on every CPU unless
+    `RLVR_AUTO_BF16=on|off` says otherwise (`model.bf16: on` still forces it).
 
-    Measured on an AVX2-only EPYC: bf16 matmuls ran at 15 GFLOP/s against 120 in fp32, so autocast
-    must not be on by default everywhere. `RLVR_AUTO_BF16=on|off` overrides the detection.
+    Measured: on an AVX2-only EPYC bf16 matmuls ran at 15 GFLOP/s against 120 in fp32; on CPUs with
+    native bf16 (avx512_bf16) autocast made the step slower than fp32 (issue 18), and the demo
+    (examples/quickstart.yaml, seed 0) barely learned under it: train reward 0.03-0.2 over its first
+    9 steps against 0.0 -> 0.69 in fp32, held-out 9.5% -> 24% after 30 steps against ~60% in fp32
+    (2-core AMD EPYC with avx512_bf16; docs/performance.md). `cpu_has_bf16()` still reports the
+    hardware.
     """
     forced = os.environ.get(AUTO_BF16_ENV, "").strip().lower()
     if forced in ("on", "off"):
         return forced == "on"
     if forced:
         raise ConfigError(f"{AUTO_BF16_ENV}={forced!r}: expected 'on' or 'off' (or unset)")
-    return _cpu_has_bf16()
+    return False
 
 
 @cache
-def _cpu_has_bf16() -> bool:
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has native bf16 matmuls (avx512_bf16 / AMX)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -39,8 +39,8 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = False
     bf16: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="bf16 autocast for matmuls (log-probs and losses stay fp32). 'auto' turns it on "
-        "only where the CPU has native bf16 (avx512_bf16/AMX); elsewhere bf16 is slower.",
+        description="bf16 autocast for matmuls (log-probs and losses stay fp32). 'auto' is fp32 on "
+        "CPUs: bf16 was slower on AVX2 and on avx512_bf16 hosts, and the demo barely learned under it.",
     )
 
 
