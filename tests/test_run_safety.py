@@ -253,10 +253,14 @@ def test_resumed_summary_starts_at_the_base_eval(
 # ---------------------------------------------------------------------------------------------- signals
 PACE = """
 import time
+from pathlib import Path
 
 
 def pace(completion, **_):
-    # Slows each step to ~0.5 s, so a signal sent when a step's metrics appear lands mid-run.
+    # Slows each step to ~0.5 s, so a signal sent when a step's metrics appear lands mid-run,
+    # and leaves a line per call, so a test can tell that a step's scoring has begun.
+    with open(Path(__file__).with_name("pace.calls"), "a") as calls:
+        calls.write("1\\n")
     time.sleep(0.06)
     return 0.0
 """
@@ -358,8 +362,16 @@ def test_a_second_ctrl_c_stops_at_once(
     run = tmp_path / "run"
     proc = launch("train", str(config), "--output-dir", str(run))
     wait_for_step(proc, run, 1)
+    # Step 1's metrics are out, but the loop checks for a stop request just after writing them
+    # (and after a checkpoint): a signal landing there ends the run at step 1 before the second
+    # one arrives. Wait until step 2 is scoring its rollouts (~0.4 s of it left), then send both.
+    calls = tiny_config_dir / "pace.calls"
+    scored = calls.read_text().count("\n")
+    deadline = time.time() + 60
+    while calls.read_text().count("\n") == scored and time.time() < deadline:
+        time.sleep(0.005)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.05)  # mid-step: the step would take ~0.5 s more to finish
+    time.sleep(0.05)  # mid-step: the step would take ~0.4 s more to finish
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

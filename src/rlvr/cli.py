@@ -553,6 +553,11 @@ def main() -> None:
     try:
         app()
     except RunInterrupted as err:
+        import signal
+
+        # The checkpoint is written: a Ctrl-C pressed again now must not turn exit 130 into a
+        # death by SIGINT (-2) halfway through this message.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(err, file=sys.stderr)
         sys.exit(err.exit_code)
     except RlvrError as err:
