@@ -34,6 +34,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from rlvr.sandbox.results import parse_records
+
 HARNESS = Path(__file__).with_name("harness.py")
 MAX_OUTPUT_BYTES = 1 << 20
 MAX_WALL_SECONDS = 60.0  # whatever a task or tool call asks for, never more
@@ -266,18 +268,7 @@ def _judge(
     started: float,
     caps: dict[str, bool],
 ) -> SandboxResult:
-    seen: dict[int, dict[str, Any]] = {}
-    load_error = None
-    for line in raw.decode("utf-8", "replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get("i"), int):
-            continue
-        if record["i"] == -1 and load_error is None:
-            load_error = str(record.get("error", "load failed"))[:300]
-        seen.setdefault(record["i"], record)  # the first record per test counts
+    seen, load_error = parse_records(raw)  # never raises, whatever the candidate wrote
     outcomes = []
     for i, test in enumerate(tests):
         record = seen.get(i)
