@@ -6,7 +6,9 @@ ones (edge cases the policy never sees). The answer is read from the last ```pyt
 ``` block, or the whole reply when it starts with `def `) and run by `rlvr.sandbox.run_tests`; the
 expected values never enter the sandbox. `success` is earned only when every test, visible and
 hidden, passes. A wrong answer gets feedback naming the first failing visible test and how it failed,
-plus how many hidden tests failed (never their inputs or expected values), and another try.
+plus how many hidden tests failed, and another try. The hidden tests run in a sandbox of their own
+(rlvr.sandbox.suites) and only their count reaches the feedback: no text the candidate wrote while it
+held a hidden input (an exception message, its output) can carry that input into the next prompt.
 
 Because the set is small and fixed, `make_splits` splits the whole list by a hash of each task's name:
 `num_train` / `num_heldout` only cap the two lists (asking for more than there are gives all there
@@ -33,7 +35,7 @@ from rlvr.envs.base import (
     stable_fraction,
 )
 from rlvr.records import Task
-from rlvr.sandbox import SandboxLimits, SandboxResult, TestCase, run_tests
+from rlvr.sandbox import SandboxLimits, SuiteResult, TestCase, run_tests
 
 TASKS_FILE = Path(__file__).with_name("code_tasks.json")
 SYSTEM_PROMPT = (
@@ -162,8 +164,9 @@ class CodeEnv(AnswerWithFeedbackEnv):
             return True, True, ""
         return True, False, self.feedback(result)
 
-    def feedback(self, result: SandboxResult) -> str:
-        """What went wrong, from the visible tests only; hidden tests are only counted."""
+    def feedback(self, result: SuiteResult) -> str:
+        """What went wrong, from the visible tests only; hidden tests are only counted (their run
+        is separate, so the visible run's error text cannot hold a hidden input)."""
         n_visible = len(self.visible)
         hidden_failed = sum(o != "pass" for o in result.outcomes[n_visible:])
         if result.load_error is not None:
@@ -179,7 +182,7 @@ class CodeEnv(AnswerWithFeedbackEnv):
                 parts.append(f"{call} gave the wrong output (expected {test['expected']!r}).")
             elif outcome.startswith("error: "):
                 parts.append(f"{call} raised an error: {outcome[len('error: ') :]}.")
-            elif result.timed_out:
+            elif result.visible_timed_out:
                 parts.append(f"{call} timed out (limit {self.wall_seconds:g} s for all tests).")
             else:
                 parts.append(f"{call} did not return (the program crashed or exited).")
@@ -188,6 +191,6 @@ class CodeEnv(AnswerWithFeedbackEnv):
             parts.append(f"All {n_visible} example tests pass.")
         if hidden_failed:
             plural = "s" if hidden_failed > 1 else ""
-            why = " (the run timed out)" if result.timed_out else ""
+            why = " (the run timed out)" if result.hidden_timed_out else ""
             parts.append(f"{hidden_failed} hidden test{plural} failed{why}.")
         return " ".join(parts)

@@ -1,4 +1,5 @@
-"""Running model-written code safely: `run_tests` (runner.py) with the in-sandbox harness (harness.py)."""
+"""Running model-written code safely: `run_tests` (suites.py: visible and hidden tests in separate
+runs) over one sandbox run (runner.py) with the in-sandbox harness (harness.py)."""
 
 from rlvr.sandbox.runner import (
     SandboxLimits,
@@ -6,13 +7,14 @@ from rlvr.sandbox.runner import (
     SandboxUnavailable,
     TestCase,
     capabilities,
-    run_tests,
 )
+from rlvr.sandbox.suites import SuiteResult, run_tests
 
 __all__ = [
     "SandboxLimits",
     "SandboxResult",
     "SandboxUnavailable",
+    "SuiteResult",
     "TestCase",
     "capabilities",
     "run_tests",

@@ -52,5 +52,7 @@ def code_tests(
     code = extract_code(completion)
     if code is None:
         return 0.0
-    result = run_tests(code, entry, cases, SandboxLimits(wall_seconds=wall_seconds))
+    # Only "did every test pass" is asked: a visible failure needs no hidden run.
+    limits = SandboxLimits(wall_seconds=wall_seconds)
+    result = run_tests(code, entry, cases, limits, skip_hidden_after_visible_failure=True)
     return 1.0 if result.all_passed else 0.0
