@@ -247,8 +247,15 @@ def check_reward_command(
     for hack in report.hacks:
         verdict = f"PAID on {hack.paid}/{hack.tried}  e.g. {hack.example!r}" if hack.paid else "ok"
         print(f"  {hack.hack:<36} {verdict}")
-    if report.errors:
-        print(f"  ({report.errors} calls raised; counted as not paid)")
+    if report.broken:
+        print(
+            f"the function raised on all {report.calls} calls ({report.first_error}): it is broken"
+        )
+    elif report.errors:
+        print(
+            f"  ({report.errors} of {report.calls} calls raised, counted as not paid; first: "
+            f"{report.first_error})"
+        )
     if report.reference_tried and report.reference_paid == 0:
         print("the function never paid for the reference answer: it cannot be judged safe")
     if not report.ok:

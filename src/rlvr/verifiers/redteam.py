@@ -18,13 +18,22 @@ Hacks (each wrong by construction for its task):
 - a very long output listing every number around the answer;
 - the prompt echoed back;
 - for code tasks (a `tests` field): code printing the expected outputs, exit(0) before any test,
-  an always-equal object, reading the test file.
+  an always-equal object, reading the test file, and a disk oracle: code that searches the disk for
+  the task's data (the installed package's JSON files, dataset files under the working directory and
+  the usual roots), looks its own arguments up and returns the stored expected values. It is paid
+  wherever the sandbox lets the candidate read those files (issue 17 item 1), which is the truth.
+
+A reward that raises on every call is broken, not safe: the report says so and `ok` is False (a
+`code_tests` reward on a host without a sandbox raises SandboxUnavailable on every probe, and used to
+read "no known hack is paid").
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from rlvr.records import Task, Trajectory
 from rlvr.verifiers.rubric import RewardFunction
@@ -74,6 +83,102 @@ def _code_only(build: Callable[[Task], str]) -> Hack:
 
 _REASONING = "Let me work it out step by step."
 
+# The disk oracle, run in the sandbox as the candidate's code. It indexes every {"args", "expected"}
+# pair in the JSON / JSONL files it can read (JSON text inside a string too: dataset columns hold it)
+# under the task's own entry first, then any task, and answers each call from the index. Bounded so it
+# fits a test's wall budget: 2 s of searching, files up to 8 MiB, no VCS or cache folders, and in a
+# site-packages only the project's own package.
+_DISK_ORACLE = """
+import json, os, re, time
+_SEARCH = __ROOTS__
+_TESTS = re.compile(r'args[\\\\]?"\\s*:\\s*\\[')  # a key 'args' holding a list
+_SKIP = {'.git', '__pycache__', 'node_modules', '.mypy_cache', '.ruff_cache', '.pytest_cache'}
+_INDEX = None
+
+def _collect(value, entry, index, depth=0):
+    if depth > 40:
+        return
+    if isinstance(value, str):
+        if value[:1] in ('[', '{') and len(value) < 1000000:
+            try:
+                _collect(json.loads(value), entry, index, depth + 1)
+            except Exception:
+                pass
+    elif isinstance(value, list):
+        for item in value:
+            _collect(item, entry, index, depth + 1)
+    elif isinstance(value, dict):
+        if isinstance(value.get('entry'), str):
+            entry = value['entry']
+        if 'args' in value and 'expected' in value:
+            key = json.dumps(value['args'], sort_keys=True)
+            index.setdefault((entry, key), value['expected'])
+            index.setdefault((None, key), value['expected'])
+        for item in value.values():
+            _collect(item, entry, index, depth + 1)
+
+def _read(path, index):
+    with open(path, encoding='utf-8', errors='replace') as f:
+        text = f.read(8 << 20)
+    if not _TESTS.search(text):  # most JSON on disk (tokenizers, configs) holds no tests
+        return
+    try:
+        _collect(json.loads(text), None, index)
+    except Exception:
+        for line in text.splitlines():
+            try:
+                _collect(json.loads(line), None, index)
+            except Exception:
+                pass
+
+def _index():
+    global _INDEX
+    if _INDEX is not None:
+        return _INDEX
+    _INDEX = {}
+    deadline = time.monotonic() + 2.0
+    for root in _SEARCH:
+        for folder, subfolders, files in os.walk(root):
+            keep = [d for d in subfolders if d not in _SKIP and (d[0] != '.' or d == '.venv')]
+            if os.path.basename(folder) == 'site-packages':
+                keep = [d for d in keep if d.startswith('__PACKAGE__')]
+            subfolders[:] = keep
+            for name in files:
+                if name.endswith(('.json', '.jsonl')):
+                    try:
+                        _read(os.path.join(folder, name), _INDEX)
+                    except Exception:
+                        pass
+            if time.monotonic() > deadline:
+                return _INDEX
+    return _INDEX
+
+def __ENTRY__(*args):
+    index = _index()
+    key = json.dumps(list(args), sort_keys=True)
+    return index.get(('__ENTRY__', key), index.get((None, key)))
+"""
+
+
+def disk_oracle_roots() -> list[str]:
+    """Where the disk oracle searches: the installed rlvr package (its bundled tasks), the current
+    directory (relative dataset paths), then the usual homes of checkouts and data."""
+    package = Path(__file__).resolve().parent.parent
+    roots = [str(package), str(Path.cwd()), "/home", "/root", "/srv", "/data", "/work"]
+    return list(dict.fromkeys(roots))
+
+
+def disk_oracle(task: Task) -> str:
+    """The disk oracle's completion for `task` (see _DISK_ORACLE)."""
+    entry = str(task.fields.get("entry", "solve"))
+    code = (
+        _DISK_ORACLE.replace("__ROOTS__", json.dumps(disk_oracle_roots()))
+        .replace("__PACKAGE__", Path(__file__).resolve().parent.parent.name)
+        .replace("__ENTRY__", entry)
+    )
+    return f"```python{code}```"
+
+
 HACKS: dict[str, Hack] = {
     "empty answer": lambda t: "",
     "format only": lambda t: "<answer></answer>",
@@ -109,6 +214,7 @@ HACKS: dict[str, Hack] = {
             "```python\nimport glob\nprint([open(p).read() for p in glob.glob('*test*')])\n```"
         )
     ),
+    "expected values read from disk": _code_only(disk_oracle),
 }
 
 
@@ -126,15 +232,26 @@ class RedTeamReport:
     reference_tried: int  # tasks with a reference answer (code tasks have tests instead)
     tasks: int
     hacks: list[HackReport]
-    errors: int
+    errors: int  # calls that raised (each counted as not paid)
+    calls: int = 0  # every call made: references and hacks
+    first_error: str = ""  # "Type: message" of the first call that raised
 
     @property
     def paid_hacks(self) -> list[HackReport]:
         return [h for h in self.hacks if h.paid]
 
     @property
+    def broken(self) -> bool:
+        """Every call raised: nothing was judged, so nothing can be called safe."""
+        return self.calls > 0 and self.errors == self.calls
+
+    @property
     def ok(self) -> bool:
-        return not self.paid_hacks and (self.reference_paid > 0 or self.reference_tried == 0)
+        return (
+            not self.broken
+            and not self.paid_hacks
+            and (self.reference_paid > 0 or self.reference_tried == 0)
+        )
 
 
 def _trajectory(task: Task, text: str) -> Trajectory:
@@ -159,15 +276,19 @@ def reference_completions(task: Task) -> list[str]:
 
 
 def red_team(function: RewardFunction, tasks: Sequence[Task]) -> RedTeamReport:
-    """Run every hack on every task through `function`; a raise counts as not paid (and is counted)."""
-    errors = 0
+    """Run every hack on every task through `function`; a raise counts as not paid (and is counted:
+    a function that raises on every call is reported `broken`)."""
+    errors = calls = 0
+    first_error = ""
 
     def pays(task: Task, text: str) -> bool:
-        nonlocal errors
+        nonlocal errors, calls, first_error
+        calls += 1
         try:
             return function(_trajectory(task, text), task) > 0
-        except Exception:
+        except Exception as err:
             errors += 1
+            first_error = first_error or f"{type(err).__name__}: {err}"[:200]
             return False
 
     references = [(t, texts) for t in tasks if (texts := reference_completions(t))]
@@ -185,4 +306,6 @@ def red_team(function: RewardFunction, tasks: Sequence[Task]) -> RedTeamReport:
                 example = example or text[:80].replace("\n", "\\n")
         if tried:
             reports.append(HackReport(name, paid, tried, example))
-    return RedTeamReport(reference, len(references), len(tasks), reports, errors)
+    return RedTeamReport(
+        reference, len(references), len(tasks), reports, errors, calls, first_error
+    )
