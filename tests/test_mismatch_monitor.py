@@ -105,7 +105,9 @@ def _server_run(
     """Train the tiny model on `rlvr serve`'s in-process app (its own copy of the model) by URL.
     rlvr serve samples in fp32, which a server given by URL is not assumed to: say so."""
     server_policy = load_policy(str(tiny_model_dir))
-    with BackgroundServer(create_app(serve_state(server_policy, str(tiny_model_dir)))) as srv:
+    with BackgroundServer(
+        create_app(serve_state(server_policy, str(tiny_model_dir)), open_admin=True)
+    ) as srv:
         cfg = load_config(
             tiny_config_dir / "tiny.yaml",
             [

@@ -90,7 +90,9 @@ def test_server_backend_syncs_weights_after_every_update(
     gaps = {}
     for sync in ("full", "none"):
         server_policy = load_policy(str(tiny_model_dir))
-        with BackgroundServer(create_app(serve_state(server_policy, str(tiny_model_dir)))) as srv:
+        with BackgroundServer(
+            create_app(serve_state(server_policy, str(tiny_model_dir)), open_admin=True)
+        ) as srv:
             run_dir = tmp_path / sync
             cfg = _tiny(
                 tiny_config_dir, tiny_model_dir, run_dir, "train.steps=3",
@@ -194,7 +196,9 @@ def test_external_agents_on_a_server_backend(
     for name in ("tiny.yaml", "tiny_agent.py"):
         (tmp_path / name).write_text((root / name).read_text())
     server_policy = load_policy(str(tiny_model_dir))
-    with BackgroundServer(create_app(serve_state(server_policy, str(tiny_model_dir)))) as srv:
+    with BackgroundServer(
+        create_app(serve_state(server_policy, str(tiny_model_dir)), open_admin=True)
+    ) as srv:
         run_dir = tmp_path / "run"
         cfg = load_config(
             tmp_path / "tiny.yaml",

@@ -40,7 +40,8 @@ class Served:
 
     def __init__(self, model_dir: Path) -> None:
         self.state: ServeState = serve_state(load_policy(str(model_dir)), "tiny")
-        self.server = BackgroundServer(create_app(self.state)).start()
+        # In process, this test its only client: weight syncs without a key (serve/auth.py).
+        self.server = BackgroundServer(create_app(self.state, open_admin=True)).start()
         self.url = self.server.base_url
 
     def post(self, path: str, body: Any) -> httpx.Response:

@@ -537,20 +537,39 @@ def serve_command(
         ),
     ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Sampler seed.")] = 0,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="RLVR_API_KEY",
+            help="Require `Authorization: Bearer KEY` on every endpoint; without it adapter loads "
+            "and weight reloads are refused. Prefer the environment variable (argv is visible).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve MODEL behind an OpenAI-compatible API (/v1/chat/completions with tools and log-probs,
     /v1/completions on token ids); exchanges under a rollout id are recorded token-exactly."""
     _quiet_libraries()
     import uvicorn
 
+    from rlvr.errors import ConfigError
     from rlvr.evaluate_cli import load_model
     from rlvr.serve.app import create_app
     from rlvr.serve.runner import serve_state
 
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("--api-key / RLVR_API_KEY is empty: give a key or unset it")
     policy, _ = load_model(model)
     state = serve_state(policy, model_name or model, seed=seed)
-    app_ = create_app(state, record_dir=record_dir)
+    app_ = create_app(state, record_dir=record_dir, api_key=api_key)
     print(f"rlvr serve: {model} as '{state.model_name}' on http://{host}:{port}/v1", flush=True)
+    if api_key is None:
+        print(
+            "no API key: open to anyone who reaches the port; adapter loads and weight reloads are "
+            "refused (--api-key or RLVR_API_KEY)",
+            flush=True,
+        )
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 

@@ -31,6 +31,7 @@ backend turns it on.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -51,6 +52,7 @@ from rlvr.errors import ConfigError, RlvrError
 from rlvr.models import Policy, eos_token_ids, resolve_model_path
 from rlvr.observe.watchdog import watch
 from rlvr.rollout.generator import Completion, SamplingParams
+from rlvr.serve.auth import API_KEY_ENV
 
 MASK64 = (1 << 64) - 1
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
@@ -77,7 +79,8 @@ def server_root(url: str) -> str:
 
 class ServerGenerator:
     """Generator over a completions server at `base_url` serving `model` (None: the first entry of
-    /v1/models). `process`: a server this object launched, terminated by `close()`."""
+    /v1/models). `process`: a server this object launched, terminated by `close()`. `api_key`: sent
+    as `Authorization: Bearer` on every request (rlvr serve's and vLLM's --api-key)."""
 
     def __init__(
         self,
@@ -91,6 +94,7 @@ class ServerGenerator:
         sync_dir: str | Path | None = None,
         stop_token_ids: Sequence[int] = (),
         process: subprocess.Popen[bytes] | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.root = server_root(base_url)
         self.seed = seed
@@ -105,6 +109,7 @@ class ServerGenerator:
             timeout=request_timeout_s,
             trust_env=False,
             limits=httpx.Limits(max_connections=max_concurrency),
+            headers=auth_headers(api_key),
         )
         self.pool: ThreadPoolExecutor | None = None
         self.base_model = model or self._first_model()
@@ -311,6 +316,10 @@ def error_message(response: httpx.Response) -> str:
     return str(body)[:300]
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def resolve_weight_sync(mode: str, policy: Policy) -> str:
     if mode == "auto":
         return "lora" if policy.lora else "full"
@@ -368,18 +377,22 @@ def launch_command(
     *,
     weight_sync: str = "none",
     lora_rank: int | None = None,
+    api_key: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """(argv, extra environment) starting the server `cfg.launch` names on 127.0.0.1:port."""
+    """(argv, extra environment) starting the server `cfg.launch` names on 127.0.0.1:port. The
+    `api_key` goes in the environment (RLVR_API_KEY / VLLM_API_KEY), never in argv, which every
+    user of the host can read in /proc."""
     if cfg.launch == "rlvr":
         argv = [sys.executable, "-m", "rlvr.cli", "serve", model_path]
-        return [*argv, "--host", "127.0.0.1", "--port", str(port), *cfg.launch_args], {}
+        key_env = {API_KEY_ENV: api_key} if api_key else {}
+        return [*argv, "--host", "127.0.0.1", "--port", str(port), *cfg.launch_args], key_env
     if cfg.launch != "vllm":
         raise ConfigError(f"generator.launch must be 'vllm' or 'rlvr', got {cfg.launch!r}")
     vllm = shutil.which("vllm") or str(Path(sys.executable).with_name("vllm"))
     argv = [vllm, "serve", model_path, "--host", "127.0.0.1", "--port", str(port)]
     # Tempered log-probs (the trainer's); token ids in logprobs for servers without return_token_ids.
     argv += ["--logprobs-mode", "processed_logprobs", "--return-tokens-as-token-ids"]
-    env: dict[str, str] = {}
+    env: dict[str, str] = {"VLLM_API_KEY": api_key} if api_key else {}
     if weight_sync == "lora":
         rank = next((r for r in VLLM_LORA_RANKS if r >= (lora_rank or 16)), VLLM_LORA_RANKS[-1])
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
@@ -397,13 +410,17 @@ def launch_server(
     weight_sync: str = "none",
     lora_rank: int | None = None,
     log_path: str | Path | None = None,
+    api_key: str | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start the server (port 0: a free one), wait until it answers, return (process, base URL
-    ending in /v1). Its output goes to `log_path` (default: a temp file), quoted when it dies."""
+    ending in /v1). Its output goes to `log_path` (default: a temp file), quoted when it dies.
+    `api_key`: the key the server requires (and the readiness poll sends)."""
     from rlvr.serve.runner import free_port
 
     port = port or free_port()
-    argv, env = launch_command(cfg, model_path, port, weight_sync=weight_sync, lora_rank=lora_rank)
+    argv, env = launch_command(
+        cfg, model_path, port, weight_sync=weight_sync, lora_rank=lora_rank, api_key=api_key
+    )
     if log_path is None:
         log_path = Path(tempfile.mkdtemp(prefix="rlvr-server-")) / "server.log"
     log_path = Path(log_path)
@@ -421,7 +438,9 @@ def launch_server(
             raise ServerError(f"could not start {argv[0]}: {err}") from None
     base_url = f"http://127.0.0.1:{port}/v1"
     try:
-        wait_for_server(base_url, cfg.startup_timeout_s, process=process, log_path=log_path)
+        wait_for_server(
+            base_url, cfg.startup_timeout_s, process=process, log_path=log_path, api_key=api_key
+        )
     except BaseException:
         stop_process(process)
         raise
@@ -434,12 +453,13 @@ def wait_for_server(
     *,
     process: subprocess.Popen[bytes] | None = None,
     log_path: str | Path | None = None,
+    api_key: str | None = None,
 ) -> None:
     """Poll GET /health (then /v1/models) until 200; a dead process or the timeout is an error
     quoting the end of the server's log."""
     root = server_root(base_url)
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=5.0, trust_env=False) as client:
+    with httpx.Client(timeout=5.0, trust_env=False, headers=auth_headers(api_key)) as client:
         while True:
             if process is not None and process.poll() is not None:
                 raise ServerError(
@@ -506,6 +526,7 @@ def build_server_generator(
     process = None
     if cfg.url:
         base_url = cfg.url
+        api_key = os.environ.get(API_KEY_ENV) or None  # the key the user gave that server, if any
     elif cfg.launch:
         path = model_path or getattr(base.config, "_name_or_path", "")
         if not path:
@@ -513,8 +534,15 @@ def build_server_generator(
                 "generator.launch: the policy's source path is unknown; pass model_path"
             )
         rank = policy.model.peft_config["default"].r if policy.lora else None
+        # A fresh key per launch: only this trainer can reach the server's admin endpoints.
+        api_key = secrets.token_urlsafe(32)
         process, base_url = launch_server(
-            cfg, path, weight_sync=mode, lora_rank=rank, log_path=run_dir / "generator_server.log"
+            cfg,
+            path,
+            weight_sync=mode,
+            lora_rank=rank,
+            log_path=run_dir / "generator_server.log",
+            api_key=api_key,
         )
     else:
         raise ConfigError("generator.backend server needs generator.url or generator.launch")
@@ -528,6 +556,7 @@ def build_server_generator(
             sync_dir=cfg.sync_dir or run_dir / "weight_sync",
             stop_token_ids=sorted(eos_token_ids(base, policy.tokenizer)),
             process=process,
+            api_key=api_key,
         )
     except BaseException:
         if process is not None:

@@ -2,6 +2,7 @@
 
 app.py          FastAPI app: /v1/models, /v1/chat/completions (tools, logprobs, streaming)
 completions.py  /v1/completions on token ids (vLLM's protocol) and weight-sync endpoints
+auth.py         the API key on every endpoint; admin (weight-changing) endpoints only with it
 shared.py       client errors, the training endpoint's limits, seeded sampling, top log-probs
 batcher.py      concurrent chat requests sampled in one generate call
 recorder.py     trajectories per client rollout id, token for token

@@ -3,7 +3,8 @@
 A client names its rollout with `metadata={"rollout_id": ...}` (the plain `openai` client's own
 argument), `extra_body={"rollout_id": ...}` or an `X-Rollout-Id` header; every exchange under that id
 is recorded token-exactly (recorder.py) and can be read back at GET /v1/rollouts/{id}. Requests
-without an id are answered and not recorded.
+without an id are answered and not recorded. Access: serve/auth.py (with an API key set, the key is
+what the Authorization header carries, so the id goes in the body or the header).
 
 Tool calls: the request's `tools` reach the model through the chat template (or, for templates that
 ignore `tools=`, written into the system message: rollout/chat.py); a reply holding Hermes
@@ -30,6 +31,7 @@ from rlvr.envs.tools import parse_tool_calls
 from rlvr.rollout.chat import render_prompt_ids
 from rlvr.rollout.engine import special_token_text
 from rlvr.rollout.generator import Completion, SamplingParams
+from rlvr.serve.auth import key_middleware
 from rlvr.serve.batcher import GenerationBatcher
 from rlvr.serve.completions import completions_router, use_model
 from rlvr.serve.recorder import RecordedRollout, Recorder, template_messages
@@ -168,10 +170,19 @@ def _choice(
     return choice, message
 
 
-def create_app(state: ServeState, record_dir: str | Path | None = None) -> FastAPI:
+def create_app(
+    state: ServeState,
+    record_dir: str | Path | None = None,
+    *,
+    api_key: str | None = None,
+    open_admin: bool = False,
+) -> FastAPI:
     """The app over `state`. With `record_dir`, each rollout is also written to
-    RECORD_DIR/<rollout id>.json after every exchange (the whole recording, replaced in place)."""
+    RECORD_DIR/<rollout id>.json after every exchange (the whole recording, replaced in place).
+    `api_key`: required on every request when set; the admin endpoints need it unless `open_admin`
+    (serve/auth.py)."""
     app = FastAPI(title="rlvr serve", version="1")
+    app.middleware("http")(key_middleware(api_key, open_admin))
     if state.recorder is None:
         state.recorder = Recorder()
     recorder: Recorder = state.recorder
