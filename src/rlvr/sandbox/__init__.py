@@ -7,6 +7,7 @@ from rlvr.sandbox.runner import (
     SandboxUnavailable,
     TestCase,
     capabilities,
+    capability_details,
 )
 from rlvr.sandbox.suites import SuiteResult, run_tests
 
@@ -17,5 +18,6 @@ __all__ = [
     "SuiteResult",
     "TestCase",
     "capabilities",
+    "capability_details",
     "run_tests",
 ]

@@ -1,41 +1,57 @@
-"""Runs INSIDE the sandbox: load candidate code, call its function on each test input, report outputs.
+"""The sandbox's side: a zygote forks a keeper per run; the keeper forks the run's init, which builds
+the isolation (jail.py), becomes the run's own uid and calls the candidate's function on each input.
 
-Started by rlvr.sandbox.runner as `python -I harness.py RESULT_FD` with the job as JSON on stdin.
-Trust model: nothing this process writes is trusted. It only reports what the candidate's function
-*returned* for each input, as canonical JSON; the expected values never enter this process, and the
-parent compares. So forging "PASSED", patching json, exiting early or an always-equal object cannot
-earn a pass: the worst the candidate can do is report wrong outputs, which score 0.
+    python -I -S harness.py SOCKET_FD < SECRETS_JSON      (started once per process by runner.py)
 
-Order matters: everything that needs privileges (a private /tmp, dropping to an unprivileged user)
-happens before the candidate's code is compiled.
+- zygote: imports, once, the stdlib modules candidates use and computes the mount plan and the
+  seccomp filter; for each request (a control socket and three pipes, passed as descriptors) it forks
+  a keeper and waits for the next. Forking a warm interpreter is what makes a run cheap.
+- keeper (host namespaces, root when the runner is): reads the job from the control socket,
+  unshares a PID namespace, forks the init, puts it in the run's cgroup, tells it its uid, waits for
+  it to exit or for the runner's "kill" (the deadline is kept by the runner), then answers "done"
+  with the exit status and what the init managed to set up.
+- init (PID 1 of the run's namespace): new mount, network, IPC, UTS and cgroup namespaces, the
+  minimal root, the run's uid, rlimits, seccomp; then the candidate. When the init exits the
+  kernel kills every process left in the namespace, and the keeper's wait returns only after that.
+
+Trust model: nothing the init writes is trusted. It only reports what the candidate's function
+*returned* for each input, as canonical JSON; the expected values never enter these processes, and
+the runner compares. So forging "PASSED", patching json, exiting early or an always-equal object
+cannot earn a pass: the worst the candidate can do is report wrong outputs, which score 0.
+Everything that needs privileges happens before the candidate's code is compiled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
+import select
+import signal
+import socket
+import struct
 import sys
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from rlvr.sandbox import jail
+else:  # run as a script with -I: rlvr is not importable, jail.py is loaded from beside this file
 
-def _private_tmp() -> bool:
-    """In the sandbox's own mount namespace (when the runner made one): a fresh tmpfs on /tmp, so the
-    candidate's only writable place is empty and vanishes with the namespace. False if not allowed."""
-    try:
-        import ctypes
+    def _load_jail() -> Any:
+        import importlib.util
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        ms_rec, ms_private = 0x4000, 0x40000
-        if libc.mount(b"none", b"/", None, ms_rec | ms_private, None) != 0:
-            return False
-        return bool(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, b"size=64m,mode=1777") == 0)
-    except Exception:
-        return False
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail.py")
+        spec = importlib.util.spec_from_file_location("rlvr_sandbox_jail", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
 
+    jail = _load_jail()
 
-# Imported while still privileged: after the drop to an unprivileged user the interpreter's own
-# install may be unreadable (e.g. under /root), so candidate code can import these and nothing else
-# that was not importable by that user. Common needs of function-writing tasks, plus what the
-# adversarial tests reach for.
+# Imported once in the zygote, so a run pays nothing for them. Common needs of function-writing
+# tasks, plus what the adversarial tests reach for; any other stdlib module is importable too (the
+# minimal root holds the whole stdlib), only slower.
 PRELOAD = [
     "abc",
     "array",
@@ -43,12 +59,14 @@ PRELOAD = [
     "collections",
     "contextlib",
     "copy",
+    "ctypes",
     "dataclasses",
     "datetime",
     "decimal",
     "enum",
     "fractions",
     "functools",
+    "glob",
     "hashlib",
     "heapq",
     "io",
@@ -58,58 +76,241 @@ PRELOAD = [
     "queue",
     "random",
     "re",
-    "signal",
-    "socket",
     "statistics",
     "string",
-    "struct",
     "subprocess",
+    "tempfile",
     "textwrap",
     "threading",
     "time",
     "typing",
     "unicodedata",
     "unittest",
-    "glob",
     "encodings.idna",
 ]
 
-
-def _drop_privileges(uid: int, gid: int) -> None:
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
+RESULT_FD = 3  # where the init reports; the candidate sees the same number (forging is harmless)
+FRAME = struct.Struct("!Q")
 
 
-def main() -> None:
-    result_fd = int(sys.argv[1])
-    job = json.loads(sys.stdin.read())
+def zygote(socket_fd: int, secrets: list[str]) -> None:
+    import importlib
+    import tempfile
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    root = os.geteuid() == 0
+    context: dict[str, Any] = {
+        "zygote": os.getpid(),
+        "socket_fd": socket_fd,
+        "plan": jail.plan_root(secrets),
+        "seccomp": jail.seccomp_program(),
+        "cgroups": jail.cgroup_layout() if root else "the runner is not root",
+        "uid_range": root and jail.uid_range_is_mapped(),
+        # Only mounted on inside each run's private mount namespace; empty on the host.
+        "staging": tempfile.mkdtemp(prefix="rlvr-sandbox-root-"),
+    }
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped by the kernel
+    requests = socket.socket(fileno=socket_fd)
+    try:
+        while True:
+            message, fds, _, _ = socket.recv_fds(requests, 16, 4)
+            if not message:  # the runner is gone: so are we (keepers die with us)
+                break
+            if len(fds) == 4 and os.fork() == 0:
+                try:
+                    keeper(fds, context)
+                finally:
+                    os._exit(0)
+            for fd in fds:
+                os.close(fd)
+    finally:
+        os.rmdir(context["staging"])
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(min(size - len(data), 1 << 20))
+        if not chunk:
+            raise EOFError("the runner closed the control socket")
+        data += chunk
+    return bytes(data)
+
+
+def keeper(fds: list[int], context: dict[str, Any]) -> None:
+    ctrl_fd, out_fd, err_fd, res_fd = fds
+    jail.set_parent_death_signal(signal.SIGKILL)  # the zygote dies: so does every run in flight
+    if os.getppid() != context["zygote"]:
+        return
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.close(context["socket_fd"])
+    ctrl = socket.socket(fileno=ctrl_fd)
+    (size,) = FRAME.unpack(_read_exactly(ctrl, FRAME.size))
+    job = json.loads(_read_exactly(ctrl, size))
+    why: dict[str, str] = {}
+    pid_namespace = False
+    if job["isolate"]:
+        try:
+            jail.unshare(jail.CLONE_NEWPID)
+            pid_namespace = True
+        except OSError as exc:
+            why["namespaces"] = str(exc)
+    status_r, status_w = os.pipe()
+    release_r, release_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(status_r)
+        os.close(release_w)
+        ctrl.detach()
+        init(job, context, pid_namespace, status_w, release_r, (out_fd, err_fd, res_fd))
+    for fd in (out_fd, err_fd, res_fd, status_w, release_r):
+        os.close(fd)
+
+    uid = None
+    if os.geteuid() == 0:
+        uid = jail.RUN_UID_BASE + pid if context["uid_range"] else jail.NOBODY
+        if not context["uid_range"]:
+            why["per_run_uid"] = "uids above the run range are not mapped here; all runs are nobody"
+    cgroup: list[str] = []
+    layout = context["cgroups"]
+    if isinstance(layout, str):
+        why["cgroup"] = layout
+    elif job["isolate"]:
+        try:
+            cgroup = jail.create_cgroup(layout, f"rlvr-sandbox-{pid}", job["memory"], job["pids"])
+            jail.join_cgroup(cgroup, pid)
+        except OSError as exc:
+            why["cgroup"] = f"{exc}"
+            jail.remove_cgroup(cgroup)
+            cgroup = []
+    release = {"uid": uid, "cgroup": bool(cgroup), "why": why}  # the init waits for this
+    os.write(release_w, json.dumps(release).encode())
+    os.close(release_w)
+
+    def kill() -> None:
+        for send in (os.kill, os.killpg):  # the namespace's init; or, without one, its group
+            with contextlib.suppress(OSError):
+                send(pid, signal.SIGKILL)
+
+    pidfd = os.pidfd_open(pid)
+    watching: list[Any] = [pidfd, ctrl]
+    while True:
+        readable, _, _ = select.select(watching, [], [])
+        if pidfd in readable:
+            break
+        ctrl.recv(64)  # "kill", or the runner is gone: either way, end the run now
+        kill()
+        watching = [pidfd]
+    _, status = os.waitpid(pid, 0)
+    if not pid_namespace:
+        kill()  # what the init started in its session (a new session's grandchild escapes)
+    jail.remove_cgroup(cgroup)
+    with os.fdopen(status_r, "rb") as f:
+        raw = f.read()
+    setup = json.loads(raw) if raw else {"error": "the run's init died before reporting its setup"}
+    done = {
+        "exit": os.waitstatus_to_exitcode(status),
+        "setup": setup,
+        "uid": uid,
+        "cgroup": layout[0] if cgroup else None,
+    }
+    with contextlib.suppress(OSError):  # the runner gave up on this run
+        ctrl.sendall(json.dumps(done).encode() + b"\n")
+
+
+def init(
+    job: dict[str, Any],
+    context: dict[str, Any],
+    pid_namespace: bool,
+    status_w: int,
+    release_r: int,
+    streams: tuple[int, int, int],
+) -> None:
+    have: dict[str, bool] = {}
+    try:
+        jail.set_parent_death_signal(signal.SIGKILL)  # the keeper dies: so does the run
+        os.setsid()
+        with os.fdopen(release_r, "rb") as f:
+            release = json.loads(f.read())
+        why: dict[str, str] = release["why"]
+        uid = release["uid"]
+        have["cgroup"] = release["cgroup"]
+        if job["isolate"] and pid_namespace:
+            try:
+                jail.unshare(
+                    jail.CLONE_NEWNS
+                    | jail.CLONE_NEWNET
+                    | jail.CLONE_NEWIPC
+                    | jail.CLONE_NEWUTS
+                    | jail.CLONE_NEWCGROUP
+                )
+                have["namespaces"] = True
+            except OSError as exc:
+                why["namespaces"] = str(exc)
+        if have.get("namespaces"):  # never mount anything outside a private mount namespace
+            try:
+                jail.build_root(context["staging"], context["plan"], uid or 0)
+                have["minimal_root"] = have["private_proc"] = have["private_tmp"] = True
+            except OSError as exc:
+                why["minimal_root"] = str(exc)
+        workdir = "/tmp" if have.get("minimal_root") else job.get("workdir") or "/"
+        if workdir != "/tmp" and uid is not None:  # unisolated: the runner's temp dir, made ours
+            os.chown(workdir, uid, uid)
+            os.chmod(workdir, 0o700)
+        os.chdir(workdir)
+        for name, value in job["rlimits"].items():
+            resource.setrlimit(getattr(resource, name), (value, value))
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            have["unprivileged_user"] = True
+            have["per_run_uid"] = uid != jail.NOBODY
+            jail.set_parent_death_signal(signal.SIGKILL)  # a uid change clears it
+        else:
+            why["unprivileged_user"] = "the runner is not root: the candidate runs as its user"
+        if context["seccomp"] is None:
+            why["seccomp"] = "no syscall table for this CPU architecture"
+        else:
+            try:
+                jail.install_seccomp(context["seccomp"])
+                have["seccomp"] = True
+            except OSError as exc:
+                why["seccomp"] = str(exc)
+        missing = [f"{k} ({why.get(k, 'not set up')})" for k in job["require"] if not have.get(k)]
+        if missing:
+            raise RuntimeError("could not set up " + "; ".join(missing))
+    except BaseException as exc:
+        os.write(status_w, json.dumps({"error": f"{exc}"[:500]}).encode())
+        os._exit(1)
+    os.write(status_w, json.dumps({"have": have, "why": why}).encode())
+    out_fd, err_fd, res_fd = streams
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    os.dup2(res_fd, RESULT_FD)
+    os.closerange(RESULT_FD + 1, 1 << 20)  # the zygote's socket, the control and status pipes
+    run_candidate(job["code"], job["entry"], job["inputs"])
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):  # whatever the candidate made of them
+            stream.flush()
+    os._exit(0)  # threads the candidate left running are not waited for: the kernel kills them
+
+
+def run_candidate(code: str, entry: str, inputs: list[list[Any]]) -> None:
     write = os.write
     dumps = json.dumps
-    workdir = job["workdir"]
-    if job.get("private_tmp") and _private_tmp():
-        workdir = "/tmp/work"  # inside the fresh tmpfs: the host's /tmp is out of sight
-        os.makedirs(workdir, exist_ok=True)
-    if job.get("uid") is not None:
-        import importlib
-
-        for name in PRELOAD:
-            importlib.import_module(name)
-        os.chown(workdir, job["uid"], job["gid"])
-        os.chmod(workdir, 0o700)
-        _drop_privileges(job["uid"], job["gid"])
-    os.chdir(workdir)
-    inputs = job["inputs"]
-    entry = job["entry"]
-    code = job["code"]
-    del job
+    sys.argv = [sys.argv[0], str(RESULT_FD)]
 
     def report(record: dict[str, object]) -> None:
         try:
             line = dumps(record, sort_keys=True, allow_nan=False)
         except (TypeError, ValueError):
             line = dumps({"i": record.get("i"), "error": "unserializable output"})
-        write(result_fd, (line + "\n").encode())
+        write(RESULT_FD, (line + "\n").encode())
 
     namespace: dict[str, object] = {"__name__": "__candidate__"}
     try:
@@ -134,4 +335,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    zygote(int(sys.argv[1]), json.loads(sys.stdin.read()))
