@@ -249,7 +249,8 @@ def check_reward_command(
         print(f"  {hack.hack:<36} {verdict}")
     if report.broken:
         print(
-            f"the function raised on all {report.calls} calls ({report.first_error}): it is broken"
+            f"the function raised on {report.errors} of {report.calls} calls and paid for nothing "
+            f"({report.first_error}): it is broken"
         )
     elif report.errors:
         print(

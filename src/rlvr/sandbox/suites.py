@@ -43,8 +43,9 @@ NOT_RUN = "not run"
 @dataclass
 class SuiteResult(SandboxResult):
     """A SandboxResult over visible and hidden tests, in the order given. Outcomes are those of
-    SandboxResult, plus "not run" for hidden tests skipped after a visible failure; a hidden test's
-    "error: ..." names at most a built-in exception. `timed_out` is either run's."""
+    SandboxResult, plus "not run" for hidden tests skipped after a visible run that could not load
+    the code (or, when asked, failed a test); a hidden test's "error: ..." names at most a built-in
+    exception. `timed_out` is either run's."""
 
     visible_timed_out: bool = False
     hidden_timed_out: bool = False
@@ -89,7 +90,10 @@ def run_tests(
             outcomes[i] = outcome
     if hidden_at:
         left = limits.clamped().wall_seconds - (time.monotonic() - started)
-        if visible is not None and skip_hidden_after_visible_failure and not visible.all_passed:
+        if visible is not None and visible.load_error is not None:
+            for i in hidden_at:  # the code did not even load: nothing to learn from a second run
+                outcomes[i] = NOT_RUN
+        elif visible is not None and skip_hidden_after_visible_failure and not visible.all_passed:
             for i in hidden_at:
                 outcomes[i] = NOT_RUN
         elif (visible is not None and visible.timed_out) or left < MIN_HIDDEN_SECONDS:
@@ -116,6 +120,7 @@ def run_tests(
         stderr=visible.stderr if visible is not None else "",
         seconds=time.monotonic() - started,
         isolation=shown.isolation if shown is not None else {},
+        uid=shown.uid if shown is not None else None,  # the visible run's, when there was one
         visible_timed_out=visible_timed_out,
         hidden_timed_out=hidden_timed_out,
     )

@@ -23,9 +23,9 @@ Hacks (each wrong by construction for its task):
   the usual roots), looks its own arguments up and returns the stored expected values. It is paid
   wherever the sandbox lets the candidate read those files (issue 17 item 1), which is the truth.
 
-A reward that raises on every call is broken, not safe: the report says so and `ok` is False (a
-`code_tests` reward on a host without a sandbox raises SandboxUnavailable on every probe, and used to
-read "no known hack is paid").
+A reward that raises and never pays is broken, not safe: the report says so and `ok` is False. A
+`code_tests` reward on a host without a sandbox raises SandboxUnavailable on every probe that has
+code (and returns 0 for the rest), and used to read "no known hack is paid".
 """
 
 from __future__ import annotations
@@ -234,6 +234,7 @@ class RedTeamReport:
     hacks: list[HackReport]
     errors: int  # calls that raised (each counted as not paid)
     calls: int = 0  # every call made: references and hacks
+    paid_calls: int = 0  # calls that returned more than 0
     first_error: str = ""  # "Type: message" of the first call that raised
 
     @property
@@ -242,8 +243,9 @@ class RedTeamReport:
 
     @property
     def broken(self) -> bool:
-        """Every call raised: nothing was judged, so nothing can be called safe."""
-        return self.calls > 0 and self.errors == self.calls
+        """It raised and never paid anything: no evidence it can pay at all, so its zeros on the
+        hacks say nothing (every call raising is the plain case)."""
+        return self.errors > 0 and self.paid_calls == 0
 
     @property
     def ok(self) -> bool:
@@ -278,18 +280,20 @@ def reference_completions(task: Task) -> list[str]:
 def red_team(function: RewardFunction, tasks: Sequence[Task]) -> RedTeamReport:
     """Run every hack on every task through `function`; a raise counts as not paid (and is counted:
     a function that raises on every call is reported `broken`)."""
-    errors = calls = 0
+    errors = calls = paid_calls = 0
     first_error = ""
 
     def pays(task: Task, text: str) -> bool:
-        nonlocal errors, calls, first_error
+        nonlocal errors, calls, paid_calls, first_error
         calls += 1
         try:
-            return function(_trajectory(task, text), task) > 0
+            paid = function(_trajectory(task, text), task) > 0
         except Exception as err:
             errors += 1
             first_error = first_error or f"{type(err).__name__}: {err}"[:200]
             return False
+        paid_calls += paid
+        return paid
 
     references = [(t, texts) for t in tasks if (texts := reference_completions(t))]
     reference = sum(any(pays(t, text) for text in texts) for t, texts in references)
@@ -307,5 +311,5 @@ def red_team(function: RewardFunction, tasks: Sequence[Task]) -> RedTeamReport:
         if tried:
             reports.append(HackReport(name, paid, tried, example))
     return RedTeamReport(
-        reference, len(references), len(tasks), reports, errors, calls, first_error
+        reference, len(references), len(tasks), reports, errors, calls, paid_calls, first_error
     )
