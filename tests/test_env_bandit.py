@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from rlvr.envs.bandit import NAME_PAIRS, BanditEnv, BanditFamily, expected_value, make_task
+from rlvr.envs.bandit import (
+    EXAMPLE_ARM,
+    NAME_PAIRS,
+    BanditEnv,
+    BanditFamily,
+    expected_value,
+    make_task,
+)
 from rlvr.envs.base import split_instances
 from rlvr.errors import ConfigError
 
@@ -31,7 +38,9 @@ def test_task_messages_and_reset() -> None:
     user = task.messages[1]["content"]
     assert "Arm gold: 5 coins with probability 90%, else 0." in user
     assert "Arm silver: 20 coins with probability 10%, else 0." in user
-    assert user.endswith("e.g. <answer>gold</answer>.")
+    # the format example names no offered arm (copying it must not pay)
+    assert user.endswith("for an arm named kestrel that would be <answer>kestrel</answer>.")
+    assert all(EXAMPLE_ARM not in pair for pair in NAME_PAIRS)
     assert "risk" not in user
     env = BanditFamily().make(task)
     assert env.reset().messages == [dict(m) for m in task.messages]
@@ -53,7 +62,9 @@ def test_worse_arm_fails_with_partial_payout() -> None:
     assert info == {"high_risk": 1}
 
 
-@pytest.mark.parametrize("text", ["<answer>copper</answer>", "gold", "<answer></answer>"])
+@pytest.mark.parametrize(
+    "text", ["<answer>copper</answer>", "gold", "<answer></answer>", "<answer>kestrel</answer>"]
+)
 def test_invalid_answers_are_penalised(text: str) -> None:
     rewards, info, done = step(text)
     assert done

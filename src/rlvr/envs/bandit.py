@@ -43,6 +43,8 @@ NAME_PAIRS: tuple[tuple[str, str], ...] = (
     ("alpha", "beta"),
 )
 
+EXAMPLE_ARM = "kestrel"  # the prompt's format example: not a name in NAME_PAIRS, so never an arm
+
 
 class BanditOptions(EnvOptions):
     min_gap: float = Field(
@@ -71,9 +73,12 @@ def make_task(arms: list[dict[str, Any]]) -> Task:
         f"Arm {a['name']}: {a['coins']} coin{'s' if a['coins'] != 1 else ''} with probability {a['percent']}%, else 0."
         for a in arms
     )
+    # The example names an arm that is never offered: an example naming one of the two arms was
+    # copied by SmolLM2-135M (it answered the first-listed arm in 501 of 502 samples after training,
+    # docs/efficacy_notes.md), which pays half the time whatever the payouts are.
     user = (
-        f"{table}\nAnswer with one arm name inside <answer></answer>, "
-        f"e.g. <answer>{arms[0]['name']}</answer>."
+        f"{table}\nAnswer with the name of one arm inside <answer></answer>: for an arm named "
+        f"{EXAMPLE_ARM} that would be <answer>{EXAMPLE_ARM}</answer>."
     )
     key = "bandit:" + ",".join(f"{a['name']}={a['coins']}@{a['percent']}" for a in arms)
     messages = ({"role": "system", "content": system}, {"role": "user", "content": user})
