@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from rlvr.config import ArithmeticConfig
 from rlvr.records import Task
 from rlvr.tasks import arithmetic_tasks
@@ -135,27 +137,142 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
     assert typo.returncode == 2 and typo.stderr.startswith("error:")
 
 
-def test_the_code_verifier_pays_for_no_code_hack() -> None:
-    import pytest
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+DISK_ORACLE = "expected values read from disk"
 
+
+def code_dataset_tasks() -> list[Task]:
     from rlvr.config import load_config
-    from rlvr.sandbox import capabilities
     from rlvr.tasks import load_tasks
-    from rlvr.verifiers.code import code_tests
 
-    if not capabilities()["namespaces"]:
-        pytest.skip("the sandbox needs namespaces on this host")
-    examples = Path(__file__).resolve().parent.parent / "examples"
-    cfg = load_config(examples / "code_dataset.yaml")
+    cfg = load_config(EXAMPLES / "code_dataset.yaml")
     task_cfg = cfg.task.model_copy(
         update={
             "dataset": cfg.task.dataset.model_copy(  # type: ignore[union-attr]
-                update={"path": str(examples / "code_tasks.jsonl")}
+                update={"path": str(EXAMPLES / "code_tasks.jsonl")}
             )
         }
     )
     splits = load_tasks(task_cfg)
-    report = red_team(RewardFunction("code", code_tests), splits.train + splits.heldout)
+    return splits.train + splits.heldout
+
+
+def needs_sandbox() -> None:
+    import os
+
+    from rlvr.sandbox import capabilities
+    from rlvr.sandbox.runner import REQUIRED
+
+    missing = [k for k in REQUIRED if not capabilities()[k]]
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the sandbox isolated; missing: {', '.join(missing)}")
+        pytest.skip(f"the sandbox cannot isolate code on this host; missing: {', '.join(missing)}")
+
+
+def sandbox_can_read(path: Path) -> bool:
+    """Ground truth for the disk oracle: can code in the sandbox open `path`?"""
+    from rlvr.sandbox import TestCase, run_tests
+
+    probe = (
+        "def probe(path):\n    try:\n        open(path).read(1)\n        return True\n"
+        "    except OSError:\n        return False\n"
+    )
+    return run_tests(probe, "probe", [TestCase((str(path),), True)]).all_passed
+
+
+def test_the_code_verifier_pays_for_no_code_hack_but_what_the_disk_shows() -> None:
+    """Every code hack earns 0, except the disk oracle wherever the sandbox lets the candidate read
+    the dataset file (issue 17 item 1): there it must be reported paid, on every task, because it
+    is. Either way the report says exactly what the reward paid."""
+    from rlvr.verifiers.code import code_tests
+
+    needs_sandbox()
+    report = red_team(RewardFunction("code", code_tests), code_dataset_tasks())
     code_hacks = {h.hack for h in report.hacks}
-    assert {"exit(0) before the tests", "always-equal object"} <= code_hacks
-    assert report.ok and report.reference_tried == 0, report.paid_hacks
+    assert {"exit(0) before the tests", "always-equal object", DISK_ORACLE} <= code_hacks
+    assert report.reference_tried == 0 and report.errors == 0
+    assert not {h.hack for h in report.paid_hacks} - {DISK_ORACLE}, report.paid_hacks
+    oracle = next(h for h in report.hacks if h.hack == DISK_ORACLE)
+    disk_visible = sandbox_can_read(EXAMPLES / "code_tasks.jsonl")
+    assert oracle.paid == (oracle.tried if disk_visible else 0), (disk_visible, oracle)
+    assert report.ok == (not disk_visible)
+
+
+@pytest.mark.parametrize("isolation", ["as this host allows", "none (disk visible)"])
+def test_the_disk_oracle_finds_the_bundled_code_env_tasks(
+    isolation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same probe on the code env's own tasks (code_tasks.json inside the installed package,
+    as issue 17's attacker read it), checked against the reward called directly. Run once more
+    with the sandbox forced unisolated (RLVR_SANDBOX_UNISOLATED=1), where the file is visible: the
+    probe must find it there, or a 0 under isolation would prove nothing."""
+    from rlvr.envs.code import TASKS_FILE, load_code_tasks
+    from rlvr.sandbox import runner
+    from rlvr.verifiers.code import code_tests
+    from rlvr.verifiers.redteam import disk_oracle
+
+    needs_sandbox()
+    if isolation.startswith("none"):
+        monkeypatch.setattr(runner, "capabilities", lambda: dict.fromkeys(runner.LAYERS, False))
+        monkeypatch.setenv(runner.UNISOLATED_ENV, "1")
+        assert sandbox_can_read(TASKS_FILE)
+    tasks = [
+        Task(
+            f"code:{spec['name']}",
+            ({"role": "user", "content": spec["prompt"]},),
+            {"entry": spec["entry"], "tests": spec["tests"], "hidden_tests": spec["hidden"]},
+        )
+        for spec in load_code_tasks()[:3]
+    ]
+    reward = RewardFunction("code", code_tests)
+    report = red_team(reward, tasks)
+    oracle = next(h for h in report.hacks if h.hack == DISK_ORACLE)
+    paid_directly = sum(code_tests(disk_oracle(t), **t.fields) > 0 for t in tasks)
+    assert oracle.tried == len(tasks) and oracle.paid == paid_directly
+    assert paid_directly == (len(tasks) if sandbox_can_read(TASKS_FILE) else 0)
+
+
+def raises_always(completion: str, **_: object) -> float:
+    raise RuntimeError("the grader is down")
+
+
+def test_a_reward_that_raises_on_every_call_is_broken_not_safe() -> None:
+    report = red_team(RewardFunction("down", raises_always), TASKS)
+    assert report.broken and not report.ok and not report.paid_hacks
+    assert report.errors == report.calls > 0 and report.paid_calls == 0
+    assert report.first_error == "RuntimeError: the grader is down"
+
+    def raises_on_empty(completion: str, answer: object, **_: object) -> float:
+        if not completion:
+            raise ValueError("empty")
+        return float(completion.strip() == f"<answer>{answer}</answer>")
+
+    partial = red_team(RewardFunction("partial", raises_on_empty), TASKS)
+    assert not partial.broken and partial.ok and partial.errors == len(TASKS)
+    assert partial.paid_calls == len(TASKS)  # the bare reference, on every task
+
+
+def test_code_tests_without_a_sandbox_is_reported_broken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17: on a host without namespaces code_tests raises SandboxUnavailable on every call
+    that has code (the rest score 0 without a sandbox); check-reward used to print "no known hack
+    is paid" for it."""
+    from rlvr.sandbox import runner
+    from rlvr.verifiers.code import code_tests
+
+    monkeypatch.setattr(runner, "capabilities", lambda: {"namespaces": False, "drop_user": True})
+    monkeypatch.delenv(runner.UNISOLATED_ENV, raising=False)
+    report = red_team(RewardFunction("code", code_tests), code_dataset_tasks())
+    assert report.broken and not report.ok and report.errors > 0
+    assert report.first_error.startswith("SandboxUnavailable: ")
+
+
+def test_cli_exits_1_for_a_broken_reward(tmp_path: Path) -> None:
+    (tmp_path / "rewards.py").write_text(
+        "def down(completion, **_):\n    raise RuntimeError('the grader is down')\n"
+    )
+    cli = [sys.executable, "-m", "rlvr.cli", "check-reward", "rewards.py:down", "--n", "3"]
+    done = subprocess.run(cli, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "it is broken" in done.stdout and "RuntimeError: the grader is down" in done.stdout
+    assert "no known hack is paid" not in done.stdout
