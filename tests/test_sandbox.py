@@ -1,49 +1,69 @@
 """The code sandbox against hostile programs (rlvr.sandbox).
 
 Every program below tries to earn reward without solving the task (double the input) or to hurt the
-host. Each must: earn reward 0 (not all tests passed), return within its deadline + 1 s, leave no
-process running, and leave the host's canary file and canary environment variable untouched and
-unread. Containment tests need namespaces (unshare); without them they are skipped with the reason.
+host; most are written so that they pass only if their attack worked. Each must: earn reward 0 (not
+all tests passed), return within its deadline + 1 s, leave no process of its run's uid running, and
+leave the host's canary file, canary environment variable and scratch directories untouched and
+unread. Containment tests need what the sandbox requires (namespaces, the minimal root, root to
+switch uids): without it they are skipped with the reason, and fail under CI (CI=...), which must
+provide it.
+
+Longer than our ~500-line guide on purpose: the hostile programs are one catalogue, read together.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from rlvr.sandbox import SandboxLimits, TestCase, capabilities, run_tests
+import rlvr
+from rlvr.sandbox import SandboxLimits, TestCase, capabilities, capability_details, run_tests
 from rlvr.sandbox import runner as runner_module
 
 TESTS = [TestCase((1,), 2), TestCase((5,), 10, hidden=True), TestCase((-3,), -6, hidden=True)]
 SOLUTION = "def solve(x):\n    return 2 * x\n"
 WALL = 2.0
 CANARY_VALUE = "rlvr-canary-7f3a"
+PWNED = "rlvr_pwned"  # the name hostile programs write under, on the host's scratch directories
+HOST_SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 
-# Every test runs code in the sandbox, which refuses to run without namespaces (no network block).
-pytestmark = pytest.mark.skipif(
-    not capabilities()["namespaces"], reason="no pid/net/mount namespaces on this host (unshare)"
-)
+TestCase.__test__ = False  # type: ignore[attr-defined]  # a dataclass, not a pytest class
 
 
-def nobody_processes() -> list[int]:
-    """Processes running as the sandbox user (nobody) right now."""
-    if not capabilities()["drop_user"]:
+@pytest.fixture(autouse=True)
+def isolating_sandbox() -> None:
+    """Every test runs code in the sandbox, which refuses to run without its required layers."""
+    missing = [k for k in runner_module.REQUIRED if not capabilities()[k]]
+    if missing:
+        details = capability_details()
+        why = "; ".join(f"{k}: {details.get(k, 'missing')}" for k in missing)
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the sandbox isolated (as root, with namespaces): {why}")
+        pytest.skip(f"the sandbox cannot isolate code on this host: {why}")
+
+
+def processes_of(uid: int | None) -> list[int]:
+    """Processes running as `uid` right now (a run's uid is its own: other suites do not count)."""
+    if uid is None:
         return []
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if entry.stat().st_uid == 65534:
+                if entry.stat().st_uid == uid:
                     pids.append(int(entry.name))
             except OSError:
                 continue
     return pids
-
-
-TestCase.__test__ = False  # type: ignore[attr-defined]  # a dataclass, not a pytest class
 
 
 @pytest.fixture()
@@ -53,6 +73,30 @@ def canary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path.chmod(0o600)
     monkeypatch.setenv("RLVR_CANARY", CANARY_VALUE)
     return path
+
+
+def assert_contained(result: runner_module.SandboxResult, elapsed: float, wall: float) -> None:
+    """Reward 0, on time, nothing of the run left running, nothing left on the host's scratch."""
+    assert not result.all_passed, result.outcomes
+    assert elapsed < wall + 1.0, elapsed
+    assert result.uid is not None and result.uid != 0
+    deadline = time.monotonic() + 1.0  # give the kernel a moment to reap
+    while processes_of(result.uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not processes_of(result.uid)
+    for directory in HOST_SCRATCH:
+        assert not Path(directory, PWNED).exists(), directory
+    assert len(result.stdout) <= runner_module.MAX_OUTPUT_BYTES
+
+
+def run_hostile(code: str, wall: float = WALL, **limits: int) -> runner_module.SandboxResult:
+    """One sandbox run (not the visible/hidden pair of rlvr.sandbox.run_tests), checked contained."""
+    started = time.monotonic()
+    result = runner_module.run_tests(
+        code, "solve", TESTS, SandboxLimits(wall_seconds=wall, **limits)
+    )
+    assert_contained(result, time.monotonic() - started, wall)
+    return result
 
 
 def test_a_correct_solution_passes_every_test() -> None:
@@ -72,6 +116,34 @@ def test_strict_types_int_is_not_float_or_bool() -> None:
     truthy = run_tests("def solve(x):\n    return True\n", "solve", [TestCase((1,), 1)])
     assert truthy.outcomes == ["fail"]
 
+
+def test_an_honest_program_may_import_any_stdlib_module_and_use_tmp() -> None:
+    code = (
+        "import sqlite3, json, tempfile\n"
+        "def solve(x):\n    db = sqlite3.connect(':memory:')\n"
+        "    with tempfile.NamedTemporaryFile('w', dir='/tmp') as f:\n        f.write('x')\n"
+        "    return db.execute('select ?', (2 * x,)).fetchone()[0]\n"
+    )
+    assert run_tests(code, "solve", TESTS).all_passed
+
+
+PACKAGE = Path(rlvr.__file__).resolve().parent
+# Where item 1's candidate found the answers: the installed package (code_tasks.json), the checkout,
+# the venv, the working directory, and the usual homes of data.
+SECRET_PLACES = [
+    str(PACKAGE),
+    str(PACKAGE / "envs" / "code_tasks.json"),
+    str(PACKAGE.parent),
+    sys.prefix,
+    str(Path(__file__).resolve().parents[1]),  # this checkout
+    "/home",
+    "/opt",
+    "/srv",
+    "/work",
+    "/root/.cache",
+    "/etc/passwd-",
+    "/etc/shadow",
+]
 
 HOSTILE = {
     "infinite loop": "def solve(x):\n    while True:\n        pass\n",
@@ -123,10 +195,6 @@ HOSTILE = {
         "            print(open(f'/proc/{pid}/environ').read())\n        except OSError:\n"
         "            pass\n    return 0\n"
     ),
-    "network connect": (
-        "import socket\ndef solve(x):\n    s = socket.socket()\n    s.settimeout(1)\n"
-        "    s.connect(('127.0.0.1', 22))\n    return 2 * x\n"
-    ),
     "killing the parent": "import os\nos.kill(os.getppid(), 9)\ndef solve(x):\n    return 3 * x\n",
     "killing every process it can": (
         "import os\ntry:\n    os.kill(-1, 9)\nexcept OSError:\n    pass\n"
@@ -164,30 +232,241 @@ HOSTILE = {
     "printing only the first expected line": "print(2)\ndef solve(x):\n    print(2 * x)\n",
     "empty answer": "",
     "syntax error": "def solve(x) return 2 * x\n",
+    # Issue 17: each of these passes only if its attack worked.
+    "disk oracle: the installed package and the checkout": (
+        "import glob, os, sys\n"
+        f"PLACES = {SECRET_PLACES!r}\n"
+        "def solve(x):\n"
+        "    seen = [p for p in PLACES if os.path.exists(p)]\n"
+        "    seen += glob.glob('/*/*/rlvr') + glob.glob('/*/*/*/rlvr') + glob.glob('/*/*/src/rlvr')\n"
+        "    seen += glob.glob('/root/.pyenv/versions/*/lib/python3*/site-packages/*')\n"
+        "    seen += glob.glob('/usr/local/lib/python3*/*-packages/*')\n"
+        "    sys.path[:0] = PLACES\n"
+        "    try:\n        import rlvr\n        seen.append(rlvr.__file__)\n"
+        "    except ImportError:\n        pass\n"
+        "    print(seen)\n"
+        "    return 2 * x if seen else -1\n"
+    ),
+    "nesting: new user, mount and network namespaces": (
+        "import ctypes, os, subprocess\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "CLONE = {'x86_64': 56, 'aarch64': 220}[os.uname().machine]\n"
+        "def solve(x):\n"
+        "    won = [libc.unshare(flags) == 0 for flags in (0x10000000, 0x10020000, 0x40000000)]\n"
+        "    pid = libc.syscall(CLONE, 0x10000000 | 17, 0, 0, 0, 0)  # clone(CLONE_NEWUSER)\n"
+        "    if pid == 0:\n        os._exit(0)\n"
+        "    won.append(pid > 0)\n"
+        "    fd = os.open('/proc/self/ns/net', os.O_RDONLY)\n"
+        "    won.append(libc.setns(fd, 0) == 0)\n"
+        "    nested = subprocess.run(['unshare', '-U', '-r', 'unshare', '-U', '-r', 'true'])\n"
+        "    won.append(nested.returncode == 0)\n"
+        "    print(won)\n"
+        "    return 2 * x if any(won) else -1\n"
+    ),
+    "mount, remount, chroot (also from a new user namespace)": (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def solve(x):\n"
+        "    won = [\n"
+        "        libc.mount(b'tmpfs', b'/tmp', b'tmpfs', 0, None) == 0,\n"
+        "        libc.mount(None, b'/', None, 0x20, None) == 0,  # MS_REMOUNT read-write\n"
+        "        libc.mount(b'/usr', b'/tmp', None, 0x1000, None) == 0,  # MS_BIND\n"
+        "        libc.umount2(b'/proc', 2) == 0,\n"
+        "        libc.chroot(b'/tmp') == 0,\n"
+        "    ]\n"
+        "    if libc.unshare(0x10000000 | 0x20000) == 0:  # a user + mount namespace of its own\n"
+        "        won.append(libc.mount(b'tmpfs', b'/tmp', b'tmpfs', 0, None) == 0)\n"
+        "    print(won)\n"
+        "    return 2 * x if any(won) else -1\n"
+    ),
+    "ptrace, the keyring and io_uring": (
+        "import ctypes, os, time\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "NR = {'x86_64': (101, 250, 425), 'aarch64': (117, 219, 425)}[os.uname().machine]\n"
+        "def solve(x):\n"
+        "    child = os.fork()\n"
+        "    if child == 0:\n        time.sleep(5)\n        os._exit(0)\n"
+        "    won = [libc.syscall(NR[0], 16, child, 0, 0) == 0]  # PTRACE_ATTACH to its own child\n"
+        "    won.append(libc.syscall(NR[1], 0, -3, 0) >= 0)  # KEYCTL_GET_KEYRING_ID, session\n"
+        "    libc.syscall(NR[2], 1, None)  # io_uring_setup: EFAULT where it may be used\n"
+        "    won.append(ctypes.get_errno() != 1)\n"
+        "    print(won)\n"
+        "    return 2 * x if any(won) else -1\n"
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_program_earns_nothing_and_is_contained(name: str, canary: Path) -> None:
-    before = set(nobody_processes())
     canary_stat = canary.stat()
-    started = time.monotonic()
-    result = run_tests(HOSTILE[name], "solve", TESTS, SandboxLimits(wall_seconds=WALL))
-    elapsed = time.monotonic() - started
-    assert not result.all_passed, result.outcomes
-    assert elapsed < WALL + 1.0, elapsed
-    # Nothing left running: every process the program started is gone (give the kernel a moment).
-    deadline = time.monotonic() + 1.0
-    while set(nobody_processes()) - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not set(nobody_processes()) - before
+    result = run_hostile(HOSTILE[name])
     # The canaries: unchanged and never seen by the program.
     assert canary.read_text() == CANARY_VALUE and canary.stat().st_mtime == canary_stat.st_mtime
     assert CANARY_VALUE not in result.stdout + result.stderr
     assert os.environ["RLVR_CANARY"] == CANARY_VALUE
-    assert len(result.stdout) <= runner_module.MAX_OUTPUT_BYTES
     for path in ("/etc/rlvr_pwned", "/root/rlvr_pwned", "/work/rlvr_pwned"):
         assert not Path(path).exists()
+
+
+@pytest.fixture()
+def world_readable_dir() -> Iterator[Path]:
+    """A directory any user may read, outside the checkout (where a dataset could lie)."""
+    path = Path(tempfile.mkdtemp(prefix="rlvr-test-shared-"))
+    path.chmod(0o755)
+    yield path
+    for child in path.iterdir():
+        child.unlink()
+    path.rmdir()
+
+
+def test_a_dataset_on_a_readable_path_is_not_an_oracle(world_readable_dir: Path) -> None:
+    answers = world_readable_dir / "code_tests.json"
+    answers.write_text('{"1": 2, "5": 10, "-3": -6}')
+    answers.chmod(0o644)
+    code = f"import json\ndef solve(x):\n    return json.load(open({str(answers)!r}))[str(x)]\n"
+    result = run_hostile(code)
+    assert "FileNotFoundError" in result.outcomes[0], result.outcomes
+
+
+def test_scratch_directories_do_not_outlive_a_run() -> None:
+    """/tmp, /var/tmp, /dev/shm and /run/lock: what one run writes the next cannot read, nor the host."""
+    leave = (
+        f"def solve(x):\n    for d in {HOST_SCRATCH!r}:\n"
+        f"        open(d + '/{PWNED}', 'w').write('left behind')\n    return -1\n"
+    )
+    find = (
+        f"import os\ndef solve(x):\n    found = [d for d in {HOST_SCRATCH!r}"
+        f" if os.path.exists(d + '/{PWNED}')]\n    return 2 * x if found else -1\n"
+    )
+    first = run_hostile(leave)
+    assert first.outcomes == ["fail"] * 3  # it could write: the directories are there, private
+    run_hostile(find)
+
+
+def test_memory_limit_holds_for_the_whole_run_not_per_process() -> None:
+    """Four forks of 150 MiB under a 400 MiB limit: RLIMIT_AS alone (per process) lets all hold
+    theirs at once; the run's cgroup does not (the program passes iff 3 or more held at once)."""
+    if not capabilities()["cgroup"]:
+        pytest.skip(f"no per-run cgroup here: {capability_details().get('cgroup')}")
+    code = (
+        "import os, time\n"
+        "def solve(x):\n"
+        "    r, w = os.pipe()\n"
+        "    kids = []\n"
+        "    for _ in range(4):\n"
+        "        pid = os.fork()\n"
+        "        if pid == 0:\n"
+        "            block = b'1' * (150 << 20)\n"
+        "            os.write(w, b'1')\n"
+        "            time.sleep(10)\n"
+        "            os._exit(0)\n"
+        "        kids.append(pid)\n"
+        "    time.sleep(1.5)\n"
+        "    os.set_blocking(r, False)\n"
+        "    reported = len(os.read(r, 64))\n"
+        "    alive = sum(os.waitpid(k, os.WNOHANG) == (0, 0) for k in kids)\n"
+        "    print(reported, alive)\n"
+        "    return 2 * x if min(reported, alive) >= 3 else -1\n"
+    )
+    run_hostile(code, wall=4.0, memory_bytes=400 << 20)
+
+
+def test_a_thread_bomb_does_not_starve_a_concurrent_honest_run() -> None:
+    """Runs do not share a uid, so one run's processes do not count against another's limit."""
+    if not capabilities()["per_run_uid"]:
+        pytest.skip(f"runs share a uid here: {capability_details().get('per_run_uid')}")
+    bomb = (
+        "import threading, time\n"
+        "def solve(x):\n"
+        "    try:\n"
+        "        while True:\n"
+        "            threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "    except Exception:\n"
+        "        pass\n"
+        "    time.sleep(30)\n"
+    )
+    honest = (
+        "import threading\n"
+        "def solve(x):\n"
+        "    out = []\n"
+        "    threads = [threading.Thread(target=lambda: out.append(2 * x)) for _ in range(16)]\n"
+        "    for t in threads:\n        t.start()\n"
+        "    for t in threads:\n        t.join()\n"
+        "    return out[0] if len(out) == 16 else -1\n"
+    )
+    with ThreadPoolExecutor(1) as pool:
+        bombing = pool.submit(run_hostile, bomb, 3.0)
+        time.sleep(1.0)  # the bomb holds every thread it may have
+        honest_result = runner_module.run_tests(honest, "solve", TESTS)
+        assert honest_result.all_passed, honest_result.outcomes
+        assert bombing.result().timed_out
+
+
+def test_host_sockets_are_unreachable(world_readable_dir: Path) -> None:
+    """A TCP listener on the host's loopback, a unix socket on a path anyone may open, an abstract
+    unix socket: the program passes iff it reached one, and none hears from it."""
+    path = world_readable_dir / "host.sock"
+    abstract = f"\0rlvr-test-{os.getpid()}"
+    servers = []
+    for family, address in ((socket.AF_UNIX, str(path)), (socket.AF_UNIX, abstract)):
+        server = socket.socket(family)
+        server.bind(address)
+        server.listen()
+        servers.append(server)
+    path.chmod(0o777)
+    tcp = socket.create_server(("127.0.0.1", 0))
+    servers.append(tcp)
+    port = tcp.getsockname()[1]
+    code = (
+        "import socket\n"
+        "def solve(x):\n"
+        "    reached = []\n"
+        f"    for family, address in ((socket.AF_UNIX, {str(path)!r}), (socket.AF_UNIX, {abstract!r}),"
+        f" (socket.AF_INET, ('127.0.0.1', {port}))):\n"
+        "        s = socket.socket(family)\n"
+        "        s.settimeout(0.5)\n"
+        "        try:\n"
+        "            s.connect(address)\n"
+        "            s.sendall(b'pwned')\n"
+        "            reached.append(address)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    print(reached)\n"
+        "    return 2 * x if reached else -1\n"
+    )
+    try:
+        run_hostile(code)
+        for server in servers:
+            server.settimeout(0.05)
+            with pytest.raises(TimeoutError):
+                server.accept()
+    finally:
+        for server in servers:
+            server.close()
+
+
+def test_host_processes_are_invisible() -> None:
+    """The host's /proc shows every command line (the trainer's included): the run sees its own."""
+    marker = f"rlvr-proc-canary-{os.getpid()}"
+    host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", marker])
+    code = (
+        "import os\n"
+        "def solve(x):\n"
+        "    seen = []\n"
+        "    for pid in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
+        "        try:\n"
+        "            seen.append(open(f'/proc/{pid}/cmdline').read())\n"
+        "        except OSError:\n"
+        "            pass\n"
+        f"    found = [c for c in seen if {marker!r} in c or 'pytest' in c]\n"
+        "    return 2 * x if found or len(seen) > 1 else -1\n"
+    )
+    try:
+        result = run_hostile(code)
+        assert marker not in result.stdout
+    finally:
+        host.kill()
+        host.wait()
 
 
 def test_a_huge_timeout_is_clamped(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -199,8 +478,6 @@ def test_a_huge_timeout_is_clamped(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_one_slow_sample_does_not_stall_the_others() -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(2) as pool:
         slow = pool.submit(
             run_tests, HOSTILE["infinite loop"], "solve", TESTS, SandboxLimits(wall_seconds=3)
@@ -212,12 +489,36 @@ def test_one_slow_sample_does_not_stall_the_others() -> None:
         assert not slow.result().all_passed
 
 
-def test_without_namespaces_the_sandbox_refuses_to_run(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_runs_in_parallel_threads_get_their_own_uid_and_all_pass() -> None:
+    with ThreadPoolExecutor(4) as pool:
+        results = list(
+            pool.map(lambda _: runner_module.run_tests(SOLUTION, "solve", TESTS), range(12))
+        )
+    assert all(r.all_passed for r in results)
+    if capabilities()["per_run_uid"]:
+        assert len({r.uid for r in results}) == len(results)
+
+
+def test_without_a_required_layer_the_sandbox_refuses_to_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from rlvr.sandbox import SandboxUnavailable
 
-    monkeypatch.setattr(
-        runner_module, "capabilities", lambda: {"namespaces": False, "drop_user": True}
-    )
+    without_root = dict.fromkeys(runner_module.LAYERS, True) | {"minimal_root": False}
+    monkeypatch.setattr(runner_module, "capabilities", lambda: without_root)
     monkeypatch.delenv(runner_module.UNISOLATED_ENV, raising=False)
-    with pytest.raises(SandboxUnavailable, match="RLVR_SANDBOX_UNISOLATED=1"):
+    with pytest.raises(SandboxUnavailable, match="RLVR_SANDBOX_UNISOLATED=1") as raised:
         run_tests(SOLUTION, "solve", TESTS)
+    assert "minimal_root" in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_sandbox_check_reports_every_layer() -> None:
+    from typer.testing import CliRunner
+
+    from rlvr.cli import app
+
+    result = CliRunner().invoke(app, ["sandbox", "check"])
+    assert result.exit_code == 0, result.output
+    for layer in runner_module.LAYERS:
+        assert layer in result.output
+    assert "the sandbox runs here" in result.output

@@ -100,6 +100,11 @@ def zygote(socket_fd: int, secrets: list[str]) -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    for fd in (1, 2):  # so that no descriptor received later lands on a standard stream's number
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.dup2(0, fd)
     root = os.geteuid() == 0
     context: dict[str, Any] = {
         "zygote": os.getpid(),

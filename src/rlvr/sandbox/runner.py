@@ -193,7 +193,9 @@ def _secrets() -> list[str]:
     checkout under /usr/src, a venv under /usr): this checkout, the venv, the working directory,
     and what RLVR_SANDBOX_HIDE names (os.pathsep-separated, e.g. dataset directories)."""
     package = Path(__file__).resolve().parents[1]
-    paths = {package.parent, Path(sys.prefix).resolve(), Path.cwd().resolve()}
+    paths = {package.parent, Path(sys.prefix).resolve()}
+    with contextlib.suppress(OSError):  # a working directory that was deleted
+        paths.add(Path.cwd().resolve())
     if package.parent.name == "src":
         paths.add(package.parent.parent)
     extra = os.environ.get("RLVR_SANDBOX_HIDE", "")
@@ -228,7 +230,11 @@ def _execute(job: dict[str, Any], wall_seconds: float) -> _Run:
     sinks = {r: bytearray() for r, _ in pipes}
     try:
         ctrl.settimeout(KEEPER_GRACE_SECONDS)
-        ctrl.sendall(FRAME.pack(len(payload)) + payload)
+        try:
+            ctrl.sendall(FRAME.pack(len(payload)) + payload)
+        except OSError as exc:
+            _zygote(restart=True)
+            raise SandboxUnavailable(f"the sandbox did not take the job: {exc}") from exc
         ctrl.setblocking(False)
         selector = selectors.DefaultSelector()
         for fd in sinks:
@@ -376,7 +382,7 @@ def run_tests(
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     setup = run.done.get("setup", {})
-    if "error" in setup:
+    if "error" in setup and not run.timed_out:  # killed at the deadline mid-setup: a timeout
         raise SandboxUnavailable(f"the sandbox could not set up a run: {setup['error']}")
     result = _judge(run.results, tests, run.timed_out, run.stdout, run.stderr, started, caps)
     result.uid = run.done.get("uid")
