@@ -331,7 +331,8 @@ def test_rlvr_serve_cli_with_the_byo_agent(tiny_model_dir: Path, tmp_path: Path)
     """`rlvr serve` as a user starts it, and examples/byo_agent/agent.py (plain openai client) against it."""
     port = free_port()
     record_dir = tmp_path / "rollouts"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # No RLVR_API_KEY from the caller's shell: this server is the keyless one a user starts.
+    env = {k: v for k, v in os.environ.items() if k != "RLVR_API_KEY"} | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlvr.cli", "serve", str(tiny_model_dir), "--port", str(port),
          "--model-name", "tiny", "--record-dir", str(record_dir)],
