@@ -13,6 +13,7 @@ Longer than our ~500-line guide on purpose: the hostile programs are one catalog
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import rlvr
-from rlvr.sandbox import SandboxLimits, TestCase, capabilities, capability_details, run_tests
+from rlvr.sandbox import SandboxLimits, TestCase, capabilities, capability_details, jail, run_tests
 from rlvr.sandbox import runner as runner_module
 
 TESTS = [TestCase((1,), 2), TestCase((5,), 10, hidden=True), TestCase((-3,), -6, hidden=True)]
@@ -66,6 +67,13 @@ def processes_of(uid: int | None) -> list[int]:
     return pids
 
 
+@functools.cache
+def cgroup_parents() -> list[str]:
+    """Where runs' cgroups are made (the zygote shares this process's cgroups)."""
+    layout = jail.cgroup_layout()
+    return [] if isinstance(layout, str) or not capabilities()["per_run_uid"] else layout[1]
+
+
 @pytest.fixture()
 def canary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "canary.txt"
@@ -84,6 +92,8 @@ def assert_contained(result: runner_module.SandboxResult, elapsed: float, wall: 
     while processes_of(result.uid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not processes_of(result.uid)
+    for parent in cgroup_parents():  # the run's cgroup is gone with it
+        assert not Path(parent, f"rlvr-sandbox-{result.uid - jail.RUN_UID_BASE}").exists()
     for directory in HOST_SCRATCH:
         assert not Path(directory, PWNED).exists(), directory
     assert len(result.stdout) <= runner_module.MAX_OUTPUT_BYTES
