@@ -152,6 +152,39 @@ def test_hidden_inputs_never_reach_feedback(name: str) -> None:
         ), outcome
 
 
+def test_hidden_inputs_do_not_cross_to_the_next_turn_through_shared_scratch() -> None:
+    """Turn 1's hidden run writes its inputs to every world-writable directory; turn 2's visible run
+    reads them back and raises them. Each run's scratch is its own (issue 17 item 4), so turn 2
+    finds nothing and its feedback holds no canary."""
+    dirs = ["/tmp", "/var/tmp", "/dev/shm", "/run/lock", "."]
+    code = (
+        READ_INPUTS
+        + "import os\n"
+        + f"DIRS = {dirs!r}\n"
+        + "for d in DIRS:\n"
+        + "    try:\n"
+        + "        with open(os.path.join(d, 'rlvr-turn-note'), 'a') as f:\n"
+        + "            f.write(stolen())\n"
+        + "    except OSError:\n"
+        + "        pass\n"
+        + "def solve(x):\n"
+        + "    notes = []\n"
+        + "    for d in DIRS:\n"
+        + "        try:\n"
+        + "            notes.append(open(os.path.join(d, 'rlvr-turn-note')).read())\n"
+        + "        except OSError:\n"
+        + "            pass\n"
+        + "    raise Exception(' '.join(notes)[:250])\n"
+    )
+    env = CodeEnv(make_task(SPEC, wall_seconds=WALL))
+    env.reset()
+    feedback = [env.check(f"```python\n{code}```")[2] for _ in range(2)]
+    assert "[[1], [5]]" in feedback[0]  # the note of the turn's own visible run comes back
+    assert_no_canary(*feedback)
+    for d in dirs[:-1]:
+        assert not os.path.exists(os.path.join(d, "rlvr-turn-note")), d  # the host's scratch too
+
+
 def test_visible_failures_keep_their_details() -> None:
     """Only the hidden run is reduced: a visible error still says what happened, with its text."""
     env = CodeEnv(make_task(SPEC, wall_seconds=WALL))
