@@ -199,16 +199,24 @@ def keeper(fds: list[int], context: dict[str, Any]) -> None:
             with contextlib.suppress(OSError):
                 send(pid, signal.SIGKILL)
 
-    pidfd = os.pidfd_open(pid)
-    watching: list[Any] = [pidfd, ctrl]
-    while True:
-        readable, _, _ = select.select(watching, [], [])
-        if pidfd in readable:
-            break
-        ctrl.recv(64)  # "kill", or the runner is gone: either way, end the run now
-        kill()
-        watching = [pidfd]
-    _, status = os.waitpid(pid, 0)
+    try:
+        exited: Any = os.pidfd_open(pid)  # readable once the init (and its namespace) is gone
+    except OSError:  # kernels before 5.3: poll
+        exited = None
+    watching: list[Any] = [ctrl]
+    status = None
+    while status is None:
+        waitables = watching if exited is None else [*watching, exited]
+        readable, _, _ = select.select(waitables, [], [], 0.01 if exited is None else None)
+        if ctrl in readable:
+            ctrl.recv(64)  # "kill", or the runner is gone: either way, end the run now
+            kill()
+            watching = []
+        if exited is not None and exited in readable:
+            _, status = os.waitpid(pid, 0)
+        elif exited is None:
+            finished, raw_status = os.waitpid(pid, os.WNOHANG)
+            status = raw_status if finished else None
     if not pid_namespace:
         kill()  # what the init started in its session (a new session's grandchild escapes)
     jail.remove_cgroup(cgroup)
