@@ -289,6 +289,21 @@ HOSTILE = {
         "    print(won)\n"
         "    return 2 * x if any(won) else -1\n"
     ),
+    "writing into the minimal root": (
+        "import glob\n"
+        "def solve(x):\n"
+        "    places = ['/', '/etc', '/usr', '/usr/local', '/root', '/dev', '/run', '/var']\n"
+        "    places += glob.glob('/root/.pyenv/versions/*/lib/python3*/site-packages')\n"
+        "    written = []\n"
+        "    for place in places:\n"
+        "        try:\n"
+        f"            open(place.rstrip('/') + '/{PWNED}', 'w').close()\n"
+        "            written.append(place)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    print(written)\n"
+        "    return 2 * x if written else -1\n"
+    ),
     "ptrace, the keyring and io_uring": (
         "import ctypes, os, time\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"

@@ -189,9 +189,11 @@ def build_root(staging: str, ops: list[Op], uid: int) -> None:
     _check(libc.syscall(SYSCALLS[platform.machine()]["pivot_root"], b".", b"."), "pivot_root")
     _check(libc.umount2(b".", MNT_DETACH), "umount old root")
     os.chdir("/")
-    for path in hides:
-        mount(None, path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    # MS_BIND: read-only for this mount only. Without it a remount changes the filesystem under the
+    # mount, and where a host bind is stacked on the path (the interpreter's prefix is /usr/local)
+    # that filesystem is the host's.
+    for path in [*hides, "/"]:
+        mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     _check(libc.sethostname(b"sandbox", 7), "sethostname")  # the run's own UTS namespace
 
 
