@@ -494,6 +494,27 @@ def test_host_processes_are_invisible() -> None:
         host.wait()
 
 
+@pytest.mark.parametrize("prefix", ["interpreter here", "/usr/local", "/usr"])
+def test_the_root_plan_never_hides_python_and_hides_every_site_packages(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the plan (no mounts): with python in /usr/local (Docker's python images) or /usr
+    (distributions), its prefix is bound, its site-packages and the named secrets are covered."""
+    if prefix != "interpreter here":
+        monkeypatch.setattr(sys, "base_prefix", prefix)
+        monkeypatch.setattr(sys, "base_exec_prefix", prefix)
+    secret = "/usr/share/doc"
+    ops = jail.plan_root([secret, str(PACKAGE.parent)])
+    hides = [op[1] for op in ops if op[0] == "hide"]
+    python = os.path.realpath(sys.base_prefix)
+    # The last mount on python's path or above it is what shows there: a bind of the host's.
+    covering = [op for op in ops if op[0] in ("bind", "hide") and jail._inside(python, op[1])]
+    assert covering and covering[-1][0] == "bind", covering
+    for packages in Path(python).glob("lib*/python*/*-packages"):
+        assert str(packages) in hides
+    assert secret in hides and str(PACKAGE.parent) not in hides  # not under a bind: not there
+
+
 def test_a_huge_timeout_is_clamped(monkeypatch: pytest.MonkeyPatch) -> None:
     assert SandboxLimits(wall_seconds=1e9).clamped().wall_seconds == runner_module.MAX_WALL_SECONDS
     monkeypatch.setattr(runner_module, "MAX_WALL_SECONDS", 1.5)
