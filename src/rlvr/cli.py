@@ -101,7 +101,9 @@ def train(
         cfg, resume=resume is not None, config_dir=config_dir, overwrite=overwrite
     )
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
-        _print_summary(summary, cfg.tracking.project if cfg.tracking.trackio else None)
+        _print_summary(
+            summary, cfg.tracking.project if "trackio" in cfg.tracking.trackers else None
+        )
 
 
 def _print_summary(summary: object, trackio_project: str | None) -> None:

@@ -423,7 +423,13 @@ class CheckpointConfig(_Section):
 
 
 class TrackingConfig(_Section):
-    trackio: bool = Field(True, description="Also log to trackio (local, no server needed).")
+    report_to: list[Literal["trackio", "wandb", "tensorboard", "mlflow"]] = Field(
+        default_factory=lambda: ["trackio"],
+        description="Trackers that get the metrics, config, alert events and rollouts table, as "
+        "TRL spells them; `none` or [] for metrics.jsonl only (always written). wandb, tensorboard "
+        "and mlflow are extras: pip install 'rlvr[wandb]' (docs/tracking.md).",
+    )
+    trackio: bool = Field(True, description="false drops trackio from report_to (older configs).")
     project: str = "rlvr"
     run_name: str | None = None
     progress: bool = True
@@ -432,6 +438,21 @@ class TrackingConfig(_Section):
         ge=0,
         description="Save token-level trajectories (for `rlvr inspect`) every k steps; 0 = never.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _report_to_as_trl_takes_it(cls, data: Any) -> Any:
+        # TRL also takes one name as a string, and "none" for no tracker.
+        if isinstance(data, dict) and isinstance(data.get("report_to"), str):
+            name = data["report_to"]
+            data = {**data, "report_to": [] if name == "none" else [name]}
+        return data
+
+    @property
+    def trackers(self) -> list[str]:
+        """report_to, each once, less trackio when `trackio: false`."""
+        names = dict.fromkeys(self.report_to)
+        return [n for n in names if n != "trackio" or self.trackio]
 
 
 class WatchdogConfig(_Section):
