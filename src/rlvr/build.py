@@ -17,18 +17,22 @@ from rlvr.optim import adamw
 from rlvr.rollout.engine import RolloutLimits
 from rlvr.rollout.hf import HFGenerator
 from rlvr.verifiers import RewardFunction, Rubric, resolve_reward_fn
+from rlvr.verifiers.trl_style import detect_style
 
 
 def build_rubric(specs: list[RewardSpec], base_dir: Path | None = None) -> Rubric:
-    functions = [
-        RewardFunction(
-            name=spec.name or spec.fn.rsplit(":", 1)[-1],
-            fn=resolve_reward_fn(spec.fn, base_dir=base_dir),
-            weight=spec.weight,
-            options=spec.options,
+    functions = []
+    for spec in specs:
+        fn = resolve_reward_fn(spec.fn, base_dir=base_dir)
+        functions.append(
+            RewardFunction(
+                name=spec.name or spec.fn.rsplit(":", 1)[-1],
+                fn=fn,
+                weight=spec.weight,
+                options=spec.options,
+                style=detect_style(fn) if spec.style == "auto" else spec.style,
+            )
         )
-        for spec in specs
-    ]
     return Rubric(functions)
 
 

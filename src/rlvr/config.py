@@ -259,6 +259,13 @@ class RewardSpec(_Section):
     name: str | None = Field(None, description="Metric name; defaults to the function's name.")
     weight: float = Field(1.0, description="0 = computed and logged, not optimised.")
     options: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments.")
+    style: Literal["auto", "rlvr", "trl", "trl_text"] = Field(
+        "auto",
+        description="How it is called. rlvr: fn(completion_text, **task_fields) per completion. "
+        "trl: TRL's batch signature fn(prompts, completions, completion_ids, **columns) -> list of "
+        "float or None, chat messages; trl_text: the same with plain strings. auto: trl when the "
+        "function has a `completions` parameter, else rlvr (docs/coming_from_trl.md).",
+    )
 
 
 class SamplingConfig(_Section):

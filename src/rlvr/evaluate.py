@@ -94,7 +94,7 @@ def all_failed(ev: Mapping[str, float]) -> bool:
 def check_error_fraction(trajectories: Sequence[Trajectory], step: int, limit: float) -> None:
     """Stop a run whose step could not score more than `limit` of its rollouts (never train on
     silent zeros); the error names what failed (reward, env, agent) and one example."""
-    failed = [t for t in trajectories if not t.usable]
+    failed = [t for t in trajectories if t.reward_errors]
     if not failed or len(failed) / len(trajectories) <= limit:
         return
     raise RewardError(
@@ -166,7 +166,7 @@ def evaluate(
     )
     trajectories = flatten(groups)
     if failures is not None:
-        failures.extend(describe_failure(t) for t in trajectories if not t.usable)
+        failures.extend(describe_failure(t) for t in trajectories if t.reward_errors)
     values = [t.rewards.get(metric, 0.0) for t in trajectories]
     out = {
         "eval/accuracy": statistics.fmean(values),

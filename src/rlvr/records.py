@@ -100,8 +100,9 @@ class Trajectory:
 
     @property
     def usable(self) -> bool:
-        """False when a reward function raised on it: it must not shape the update."""
-        return not self.reward_errors
+        """False when a reward function raised on it, or when every one said "not applicable"
+        (TRL-style None; `info["unscorable"]`): it must not shape the update."""
+        return not self.reward_errors and "unscorable" not in self.info
 
 
 @dataclass(frozen=True)

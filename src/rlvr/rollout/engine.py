@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -357,6 +358,10 @@ def _trajectory(
         errors.update(score.errors)
         if turn_totals:
             turn_totals[-1] += score.total
+        if score.skipped and not rewards and not errors:
+            # Every reward function said "not applicable" (TRL's None): TRL leaves such a sample
+            # out of its group's baseline and gives it no advantage; `usable` is False for it.
+            info["unscorable"] = list(score.skipped)
     if errors:
         info["reward_errors"] = errors
     return dataclasses.replace(
@@ -394,7 +399,15 @@ def rollout_groups(
     for rubric in {id(how.rubric): how.rubric for _, _, how in plans if how.rubric}.values():
         pairs = [(traj, ep.task) for ep, traj, how in plans if how.rubric is rubric]
         prefetched.update(rubric.prefetch(pairs, workers=limits.env_workers))
-    scored = iter([_trajectory(ep, traj, how, prefetched) for ep, traj, how in plans])
+    scored_list = [_trajectory(ep, traj, how, prefetched) for ep, traj, how in plans]
+    unscorable = [t for t in scored_list if "unscorable" in t.info]
+    if unscorable:
+        warnings.warn(
+            f"{len(unscorable)}/{len(scored_list)} rollouts: every reward function returned None "
+            f"(e.g. task {unscorable[0].task_id!r}); they are left out of the update",
+            stacklevel=2,
+        )
+    scored = iter(scored_list)
     return [
         Group(task=task, trajectories=tuple(next(scored) for _ in group))
         for task, group in zip(tasks, episodes, strict=True)

@@ -287,7 +287,8 @@ def red_team(function: RewardFunction, tasks: Sequence[Task]) -> RedTeamReport:
         nonlocal errors, calls, paid_calls, first_error
         calls += 1
         try:
-            paid = function(_trajectory(task, text), task) > 0
+            value = function(_trajectory(task, text), task)
+            paid = value is not None and value > 0  # None: a TRL-style 'not applicable'
         except Exception as err:
             errors += 1
             first_error = first_error or f"{type(err).__name__}: {err}"[:200]

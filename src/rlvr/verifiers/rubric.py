@@ -27,6 +27,13 @@ from rlvr.errors import ConfigError
 from rlvr.observe.watchdog import watch
 from rlvr.records import Task, Trajectory
 from rlvr.verifiers.builtin import BUILTIN_REWARDS
+from rlvr.verifiers.trl_style import (
+    TRL_ARGUMENTS,
+    RewardStyle,
+    batch_arguments,
+    call_batch,
+    check_trl_signature,
+)
 
 __all__ = [
     "Prefetched",
@@ -50,8 +57,9 @@ _MAX_ERROR_CHARS = 500
 
 _PARALLEL = "__rlvr_parallel_reward__"
 
-# (id(trajectory), function name) -> value or the exception it raised; see Rubric.prefetch.
-Prefetched = dict[tuple[int, str], "float | Exception"]
+# (id(trajectory), function name) -> value (None: a TRL-style "not applicable"), or the exception
+# it raised; see Rubric.prefetch.
+Prefetched = dict[tuple[int, str], "float | Exception | None"]
 
 
 def parallel_reward(fn: F) -> F:
@@ -226,17 +234,20 @@ def _call_plan(name: str, fn: Callable[..., Any]) -> _CallPlan:
 class RewardFunction:
     """One component of a rubric: a reward function, its weight and its config options.
 
-    Calling convention: the first positional argument is `trajectory.completion_text` (or the
-    `Trajectory` itself for `@trajectory_reward` functions); keyword arguments are the task's fields
-    merged with `options` (options win), filtered to the parameters the function accepts unless it
-    takes **kwargs. Task fields are filtered because a task carries fields for other components; an
-    option the function cannot accept is a typo in the config and raises `ConfigError` here.
+    Calling convention (style "rlvr"): the first positional argument is
+    `trajectory.completion_text` (or the `Trajectory` itself for `@trajectory_reward` functions);
+    keyword arguments are the task's fields merged with `options` (options win), filtered to the
+    parameters the function accepts unless it takes **kwargs. Task fields are filtered because a
+    task carries fields for other components; an option the function cannot accept is a typo in the
+    config and raises `ConfigError` here. Styles "trl" and "trl_text" call the function TRL's way, a
+    batch at a time (rlvr.verifiers.trl_style), and allow None ("not applicable") per sample.
     """
 
     name: str
     fn: Callable[..., Any]
     weight: float = 1.0
     options: Mapping[str, Any] = field(default_factory=dict)
+    style: RewardStyle = "rlvr"
     _plan: _CallPlan = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -253,7 +264,15 @@ class RewardFunction:
         object.__setattr__(self, "weight", float(self.weight))
         # A read-only copy: the caller's dict may change later, and the dataclass is frozen.
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
-        plan = _call_plan(self.name, self.fn)
+        if self.style not in ("rlvr", "trl", "trl_text"):
+            raise ConfigError(
+                f"reward function {self.name!r}: style {self.style!r} is not rlvr, trl or trl_text"
+            )
+        if self.is_trl:
+            accepted, required = check_trl_signature(self.name, self.fn)
+            plan = _CallPlan(accepted=accepted, required=required)
+        else:
+            plan = _call_plan(self.name, self.fn)
         if plan.accepted is not None:
             unknown = sorted(set(self.options) - plan.accepted)
             if unknown:
@@ -267,10 +286,33 @@ class RewardFunction:
     def wants_trajectory(self) -> bool:
         return bool(getattr(self.fn, _WANTS_TRAJECTORY, False))
 
+    @property
+    def is_trl(self) -> bool:
+        """Called TRL's way: once per batch, None allowed per sample."""
+        return self.style != "rlvr"
+
+    def call_batch(
+        self, pairs: Sequence[tuple[Trajectory, Task]]
+    ) -> list[float | Exception | None]:
+        """A TRL-style function's values for every pair, from one call."""
+        arguments = batch_arguments(pairs, self.style, dict(self.options), self._plan.accepted)
+        with watch("reward", self.name):
+            return call_batch(self.fn, arguments, len(pairs))
+
     def check_fields(self, fields: frozenset[str], task_id: str) -> None:
         """Refuse, before any rollout, a function that cannot be called on a task with `fields`:
         a required parameter the task does not have, or a first parameter named like a task field
         (`def f(answer)`: it would receive the completion text, and answer=... again by keyword)."""
+        if self.is_trl:
+            missing = sorted(self._plan.required - fields - set(self.options) - TRL_ARGUMENTS)
+            if missing:
+                shown = ", ".join(sorted(fields)) or "none"
+                raise ConfigError(
+                    f"reward function {self.name!r} (TRL style) needs column(s) "
+                    f"{', '.join(map(repr, missing))} that task {task_id!r} does not have "
+                    f"(its fields: {shown}; dataset columns reach it via task.dataset.extra_columns)"
+                )
+            return
         first = self._plan.first
         if first is not None and (first in fields or first in self.options or first == "prompt"):
             raise ConfigError(
@@ -301,12 +343,18 @@ class RewardFunction:
             merged["prompt"] = [dict(m) for m in task.messages]
         return {key: value for key, value in merged.items() if key in accepted}
 
-    def __call__(self, trajectory: Trajectory, task: Task) -> float:
+    def __call__(self, trajectory: Trajectory, task: Task) -> float | None:
         """The component's value as a finite float; raises on anything else (the rubric records it).
 
         bool is accepted (a pass/fail check) and becomes 0.0/1.0; any real number (int, float, numpy
-        scalars) is converted; None, strings, tensors and NaN/inf raise.
+        scalars) is converted; strings, tensors and NaN/inf raise, and so does None except from a
+        TRL-style function (there it means "not applicable": None is returned).
         """
+        if self.is_trl:
+            (value,) = self.call_batch([(trajectory, task)])
+            if isinstance(value, Exception):
+                raise value
+            return value
         kwargs = self.keyword_arguments(task)
         missing = sorted(self._plan.required - kwargs.keys())
         if missing:
@@ -339,6 +387,8 @@ class Score:
     rewards: dict[str, float]
     total: float
     errors: dict[str, str]
+    # TRL-style components that returned None ("not applicable"): in neither rewards nor errors.
+    skipped: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -390,13 +440,18 @@ class Rubric:
         return {f.name: f.weight for f in self._functions}
 
     def prefetch(self, pairs: Sequence[tuple[Trajectory, Task]], workers: int = 4) -> Prefetched:
-        """Values of the `@parallel_reward` functions for every pair, computed in worker threads."""
+        """Values of the `@parallel_reward` functions for every pair, computed in worker threads,
+        and of the TRL-style functions, one batch call each (in this thread, as TRL calls them)."""
         out: Prefetched = {}
-        slow = [f for f in self._functions if getattr(f.fn, _PARALLEL, False)]
+        for function in self._functions:
+            if function.is_trl and pairs:
+                for (trajectory, _), value in zip(pairs, function.call_batch(pairs), strict=True):
+                    out[(id(trajectory), function.name)] = value
+        slow = [f for f in self._functions if getattr(f.fn, _PARALLEL, False) and not f.is_trl]
         if not slow or not pairs:
             return out
 
-        def one(job: tuple[RewardFunction, Trajectory, Task]) -> float | Exception:
+        def one(job: tuple[RewardFunction, Trajectory, Task]) -> float | Exception | None:
             function, trajectory, task = job
             try:
                 return function(trajectory, task)
@@ -414,6 +469,7 @@ class Rubric:
     ) -> Score:
         rewards: dict[str, float] = {}
         errors: dict[str, str] = {}
+        skipped: list[str] = []
         total = 0.0
         for function in self._functions:
             try:
@@ -428,10 +484,13 @@ class Rubric:
             except Exception as exc:
                 errors[function.name] = _describe(exc)
                 continue
+            if value is None:  # TRL's "not applicable": out of the sum, as TRL's nansum leaves it
+                skipped.append(function.name)
+                continue
             rewards[function.name] = value
             if function.weight != 0.0:
                 total += function.weight * value
-        return Score(rewards=rewards, total=total, errors=errors)
+        return Score(rewards=rewards, total=total, errors=errors, skipped=tuple(skipped))
 
     def score_many(self, pairs: Sequence[tuple[Trajectory, Task]]) -> list[Score]:
         """Score each (trajectory, task) pair in order.
