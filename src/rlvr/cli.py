@@ -21,6 +21,24 @@ app = typer.Typer(
 )
 
 
+def _version(show: bool) -> None:
+    if show:
+        from rlvr.export import rlvr_version
+
+        typer.echo(f"rlvr {rlvr_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Train LLM agents with reinforcement learning from verifiable rewards."""
+
+
 def _quiet_libraries() -> None:
     # transformers' and datasets' own progress bars and advisory warnings drown the run's output.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -358,6 +376,29 @@ def env_check_command(
 
 runs_app = typer.Typer(help="Work with several run directories.", no_args_is_help=True)
 app.add_typer(runs_app, name="runs")
+
+
+@app.command("export")
+def export_command(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+    out: Annotated[Path, typer.Argument(help="New folder for the model (must not hold files).")],
+    step: Annotated[
+        int | None, typer.Option("--step", help="Checkpoint step (default: the last).")
+    ] = None,
+    merge_lora: Annotated[
+        bool,
+        typer.Option(
+            "--merge-lora",
+            help="LoRA run: fold the adapters into the base weights (default: a PEFT adapter).",
+        ),
+    ] = False,
+) -> None:
+    """Write a run's policy as a Hugging Face model folder (safetensors, tokenizer, chat template,
+    generation config) with a model card, loadable by transformers and `vllm serve`."""
+    _quiet_libraries()
+    from rlvr.export import export_run
+
+    typer.echo(f"export: {export_run(run_dir, out, step=step, merge_lora=merge_lora).resolve()}")
 
 
 @app.command("report")
