@@ -137,6 +137,31 @@ def test_an_honest_program_may_import_any_stdlib_module_and_use_tmp() -> None:
     assert run_tests(code, "solve", TESTS).all_passed
 
 
+def test_an_honest_program_may_use_unix_sockets_asyncio_and_forked_processes() -> None:
+    """The seccomp filter denies socket families the network namespace does not cover (AF_VSOCK,
+    AF_PACKET, ...); what stdlib programs use (unix socket pairs, asyncio, multiprocessing's fork,
+    name lookup through /etc/hosts) still works."""
+    code = (
+        "import asyncio, multiprocessing, socket\n"
+        "def solve(x):\n"
+        "    a, b = socket.socketpair()\n"
+        "    a.sendall(b'x')\n"
+        "    assert b.recv(1) == b'x'\n"
+        "    socket.getaddrinfo('localhost', 80)\n"
+        "    async def twice():\n        return 2 * x\n"
+        "    doubled = asyncio.run(twice())\n"
+        "    context = multiprocessing.get_context('fork')\n"
+        "    queue = context.Queue()\n"
+        "    child = context.Process(target=lambda: queue.put(doubled))\n"
+        "    child.start()\n"
+        "    value = queue.get(timeout=5)\n"
+        "    child.join()\n"
+        "    return value\n"
+    )
+    result = run_tests(code, "solve", TESTS)
+    assert result.all_passed, (result.outcomes, result.stderr[-500:])
+
+
 PACKAGE = Path(rlvr.__file__).resolve().parent
 # Where item 1's candidate found the answers: the installed package (code_tasks.json), the checkout,
 # the venv, the working directory, and the usual homes of data.
@@ -317,6 +342,47 @@ HOSTILE = {
         "    won.append(ctypes.get_errno() != 1)\n"
         "    print(won)\n"
         "    return 2 * x if any(won) else -1\n"
+    ),
+    # Review of issue 17's sandbox: what a hostile program reaches for next.
+    "sockets the network namespace does not cover (vsock to the hypervisor, packet, alg, xdp)": (
+        "import socket\n"
+        "def solve(x):\n"
+        "    made = []\n"
+        "    for family, kind in ((40, 1), (40, 5), (17, 3), (38, 5), (44, 3), (15, 3), (31, 3)):\n"
+        "        try:\n"
+        "            socket.socket(family, kind).close()  # created only: nothing is contacted\n"
+        "            made.append(family)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    print(made)\n"
+        "    return 2 * x if made else -1\n"
+    ),
+    "/sys, host devices, the kernel log and the loader's cache": (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def solve(x):\n"
+        "    opened = []\n"
+        "    reads = ['/sys/fs/cgroup', '/sys/class/net', '/dev/mem', '/dev/kmem', '/dev/kmsg',\n"
+        "             '/dev/tty', '/dev/console', '/dev/vda', '/dev/sda', '/dev/nvme0n1',\n"
+        "             '/dev/vsock', '/dev/port', '/proc/kcore']\n"
+        "    for path in reads:\n"
+        "        try:\n"
+        "            os.close(os.open(path, os.O_RDONLY))\n"
+        "            opened.append(path)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    for path in ('/etc/ld.so.cache', '/etc/passwd', '/proc/sysrq-trigger',\n"
+        "                 '/proc/sys/kernel/hostname', '/proc/sys/vm/drop_caches'):\n"
+        "        try:\n"
+        "            os.close(os.open(path, os.O_WRONLY))\n"
+        "            opened.append(path)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    buffer = ctypes.create_string_buffer(4096)\n"
+        "    if libc.klogctl(3, buffer, 4096) >= 0:  # SYSLOG_ACTION_READ_ALL\n"
+        "        opened.append('syslog')\n"
+        "    print(opened)\n"
+        "    return 2 * x if opened else -1\n"
     ),
 }
 
@@ -513,6 +579,24 @@ def test_the_root_plan_never_hides_python_and_hides_every_site_packages(
     for packages in Path(python).glob("lib*/python*/*-packages"):
         assert str(packages) in hides
     assert secret in hides and str(PACKAGE.parent) not in hides  # not under a bind: not there
+
+
+def test_seccomp_and_pivot_root_on_an_unknown_cpu_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where there is no syscall table (riscv64, or a 32-bit interpreter on x86_64, whose syscalls
+    the x86_64 filter would kill): no filter, and pivot_root fails with a reason, not a KeyError."""
+    import platform
+    import struct
+
+    assert jail.seccomp_program() is not None  # x86_64 and aarch64, with a 64-bit interpreter
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")
+    assert jail.seccomp_program() is None
+    with pytest.raises(OSError, match="riscv64"):
+        jail.syscall_number("pivot_root")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(struct, "calcsize", lambda fmt: 4)
+    assert jail.seccomp_program() is None
+    with pytest.raises(OSError, match="32-bit"):
+        jail.syscall_number("pivot_root")
 
 
 def test_a_huge_timeout_is_clamped(monkeypatch: pytest.MonkeyPatch) -> None:

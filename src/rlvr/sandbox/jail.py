@@ -10,6 +10,7 @@ runner found available when it probed the host are required on every run).
 from __future__ import annotations
 
 import ctypes
+import errno
 import glob
 import os
 import platform
@@ -186,7 +187,7 @@ def build_root(staging: str, ops: list[Op], uid: int) -> None:
         f.write("127.0.0.1 localhost\n")
     # pivot_root(".", "."): the old root ends up stacked on the new one and is detached at once.
     os.chdir(staging)
-    _check(libc.syscall(SYSCALLS[platform.machine()]["pivot_root"], b".", b"."), "pivot_root")
+    _check(libc.syscall(syscall_number("pivot_root"), b".", b"."), "pivot_root")
     _check(libc.umount2(b".", MNT_DETACH), "umount old root")
     os.chdir("/")
     # MS_BIND: read-only for this mount only. Without it a remount changes the filesystem under the
@@ -200,7 +201,8 @@ def build_root(staging: str, ops: list[Op], uid: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # seccomp: a classic BPF filter, built here, installed with prctl. What no candidate needs fails
 # with EPERM: new namespaces (unshare, setns, clone with a CLONE_NEW* flag), mounts, ptrace, bpf,
-# the kernel keyring, io_uring, perf, module and kexec loading. clone3 passes its flags in memory a
+# the kernel keyring, io_uring, perf, the kernel log, module and kexec loading; a socket of a family
+# the network namespace does not cover fails with EAFNOSUPPORT. clone3 passes its flags in memory a
 # filter cannot read, so it answers ENOSYS and the C library falls back to clone.
 
 # name: (x86_64, aarch64), as in the kernel's unistd headers
@@ -241,11 +243,21 @@ _NUMBERS = {
     "reboot": (169, 142),
     "acct": (163, 89),
     "quotactl": (179, 60),
+    "syslog": (103, 116),  # the kernel log, where kernel.dmesg_restrict is 0
     "clone": (56, 220),
     "clone3": (435, 435),
     "prctl": (157, 167),
+    "socket": (41, 198),
+    "socketpair": (53, 199),
 }
-DENIED = [name for name in _NUMBERS if name not in ("clone", "clone3", "prctl")]
+FILTERED = ("clone", "clone3", "prctl", "socket", "socketpair")  # allowed, some arguments denied
+DENIED = [name for name in _NUMBERS if name not in FILTERED]
+# Socket families a candidate may create. The network namespace covers these; it does not cover
+# AF_VSOCK, which reaches the hypervisor's services from inside a VM (Firecracker, cloud VMs with a
+# guest agent, CI runners), nor the kernel attack surface of the rest (AF_ALG, AF_PACKET, ...).
+# Any other family answers EAFNOSUPPORT, as on a kernel built without it.
+AF_UNIX, AF_INET, AF_INET6, AF_NETLINK = 1, 2, 10, 16
+SOCKET_FAMILIES = (AF_UNIX, AF_INET, AF_INET6, AF_NETLINK)
 SYSCALLS = {
     arch: {name: numbers[i] for name, numbers in _NUMBERS.items()}
     for i, arch in enumerate(("x86_64", "aarch64"))
@@ -255,13 +267,28 @@ AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _LD_W_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 _KILL_PROCESS, _ALLOW = 0x80000000, 0x7FFF0000
 _ERRNO = 0x00050000
-_EPERM, _ENOSYS = 1, 38
+_EPERM, _ENOSYS, _EAFNOSUPPORT = 1, 38, 97
+
+
+def syscall_number(name: str) -> int:
+    """`name`'s number on this CPU, or OSError (ENOSYS) where there is no table for it (the layer
+    that needs it is then reported missing with this reason, not a KeyError naming the CPU)."""
+    machine = platform.machine()
+    if machine not in SYSCALLS or struct.calcsize("P") != 8:
+        raise OSError(
+            errno.ENOSYS,
+            f"no syscall numbers for a {struct.calcsize('P') * 8}-bit "
+            f"interpreter on {machine!r} (x86_64 and aarch64 are known)",
+        )
+    return SYSCALLS[machine][name]
 
 
 def seccomp_program() -> bytes | None:
     """The filter for this CPU architecture, or None where there is no syscall table for it."""
     machine = platform.machine()
-    if machine not in SYSCALLS:
+    # A 32-bit interpreter on a 64-bit kernel makes syscalls of another ABI (the filter's arch check
+    # would kill it at its first syscall): no filter there.
+    if machine not in SYSCALLS or struct.calcsize("P") != 8:
         return None
     numbers = SYSCALLS[machine]
     # (code, jump-if-true label, jump-if-false label, k); labels resolve to relative offsets.
@@ -278,6 +305,8 @@ def seccomp_program() -> bytes | None:
         program.append((_JEQ, "deny", None, numbers[name]))
     program.append((_JEQ, "enosys", None, numbers["clone3"]))
     program.append((_JEQ, "clone", None, numbers["clone"]))
+    program.append((_JEQ, "socket", None, numbers["socket"]))
+    program.append((_JEQ, "socket", None, numbers["socketpair"]))
     program.append((_JEQ, "prctl", "allow", numbers["prctl"]))
     labels["clone"] = len(program)
     program.append((_LD_W_ABS, None, None, 16))  # args[0], low half: clone's flags
@@ -285,6 +314,11 @@ def seccomp_program() -> bytes | None:
     labels["prctl"] = len(program)
     program.append((_LD_W_ABS, None, None, 16))  # a candidate may not outlive its keeper
     program.append((_JEQ, "deny", "allow", PR_SET_PDEATHSIG))
+    labels["socket"] = len(program)
+    program.append((_LD_W_ABS, None, None, 16))  # args[0], low half: the family
+    for family in SOCKET_FAMILIES:
+        program.append((_JEQ, "allow", None, family))
+    program.append((_RET, None, None, _ERRNO | _EAFNOSUPPORT))
     for label, value in (
         ("allow", _ALLOW),
         ("deny", _ERRNO | _EPERM),

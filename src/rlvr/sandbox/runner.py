@@ -11,7 +11,8 @@ host allows, and every later run must get all of it or is refused):
 - its own uid (from a range, when the runner is root), so RLIMIT_NPROC is not shared between
   concurrent runs, and root-owned files and processes are out of reach;
 - a cgroup per run (v2, or v1 memory + pids) whose memory and process limits hold for the whole run;
-- seccomp: no new namespaces, mount, ptrace, bpf, keyctl, io_uring, perf, modules;
+- seccomp: no new namespaces, mount, ptrace, bpf, keyctl, io_uring, perf, modules, and no socket
+  family the network namespace does not cover (AF_VSOCK reaches a VM's hypervisor);
 - rlimits, a scrubbed environment, a wall-clock deadline enforced from outside (SIGKILL), output
   capped at 1 MiB per stream (a flood is drained, not stored).
 A pre-forked zygote with the stdlib already imported makes each run a fork, not an interpreter start.
@@ -61,7 +62,7 @@ LAYER_DESCRIPTIONS = {
     "unprivileged_user": "the candidate is not root",
     "per_run_uid": "a uid of its own per run (RLIMIT_NPROC not shared)",
     "cgroup": "a cgroup per run: memory and process limits for the whole run",
-    "seccomp": "seccomp: no namespaces, mount, ptrace, bpf, keyctl, io_uring",
+    "seccomp": "seccomp: no namespaces, mount, ptrace, bpf, keyctl, io_uring, vsock",
 }
 FRAME = struct.Struct("!Q")
 
