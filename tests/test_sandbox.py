@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -569,7 +570,8 @@ def test_the_root_plan_never_hides_python_and_hides_every_site_packages(
     if prefix != "interpreter here":
         monkeypatch.setattr(sys, "base_prefix", prefix)
         monkeypatch.setattr(sys, "base_exec_prefix", prefix)
-    secret = "/usr/share/doc"
+    # /usr/share/doc is deleted by slim container images; /usr/share is on every Linux.
+    secret = "/usr/share/doc" if os.path.isdir("/usr/share/doc") else "/usr/share"
     ops = jail.plan_root([secret, str(PACKAGE.parent)])
     hides = [op[1] for op in ops if op[0] == "hide"]
     python = os.path.realpath(sys.base_prefix)
@@ -597,6 +599,102 @@ def test_seccomp_and_pivot_root_on_an_unknown_cpu_say_why(monkeypatch: pytest.Mo
     assert jail.seccomp_program() is None
     with pytest.raises(OSError, match="32-bit"):
         jail.syscall_number("pivot_root")
+
+
+def fake_cgroup_host(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, own: str, mounts: str, busy: bool
+) -> Path:
+    """Make jail.cgroup_layout see a host of another kind: /proc/self/cgroup and mountinfo as
+    given ({root} in `mounts` is a directory standing for the cgroup2 mount), and, with `busy`,
+    a kernel that answers EBUSY to enabling controllers (the cgroup holds processes)."""
+    import builtins
+    import errno
+    import io
+
+    real_open: Any = builtins.open
+    files = {"/proc/self/cgroup": own, "/proc/self/mountinfo": mounts.format(root=tmp_path)}
+
+    def fake_open(path: str, mode: str = "r", *args: object, **kwargs: object) -> object:
+        if path in files:
+            return io.StringIO(files[path])
+        if busy and str(path).endswith("cgroup.subtree_control") and "w" in mode:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(jail, "open", fake_open, raising=False)
+    monkeypatch.delenv("RLVR_SANDBOX_CGROUP", raising=False)
+    return tmp_path
+
+
+V2_MOUNT = "30 23 0:26 / {root} rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw\n"
+
+
+@pytest.mark.parametrize("busy", [True, False])
+def test_cgroup_v2_not_delegated_is_a_missing_layer_and_delegated_is_used(
+    busy: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """CI may run on cgroup v2 (this host is v1). The runner's own cgroup holds processes, so the
+    kernel refuses it children with controllers: the layer is reported missing (optional) with the
+    way out, nothing raised or left behind; where it may (delegated), its children are used."""
+    scope = "/system.slice/ci-runner.service"
+    root = fake_cgroup_host(monkeypatch, tmp_path, f"0::{scope}\n", V2_MOUNT, busy)
+    parent = root / scope.lstrip("/")
+    parent.mkdir(parents=True)
+    (parent / "cgroup.subtree_control").write_text("")
+    layout = jail.cgroup_layout()
+    if busy:
+        assert isinstance(layout, str) and "RLVR_SANDBOX_CGROUP" in layout, layout
+    else:
+        assert layout == ("v2", [str(parent)])
+        assert (parent / "cgroup.subtree_control").read_text() == "+memory +pids"
+    assert sorted(p.name for p in parent.iterdir()) == ["cgroup.subtree_control"]
+
+
+def test_cgroup_v2_read_only_with_controllers_on_is_a_missing_layer(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A container's cgroup2 mounted read-only can show memory and pids on already; no child can be
+    made there, so the layer is missing rather than failing every run."""
+    import errno
+
+    root = fake_cgroup_host(monkeypatch, tmp_path, "0::/\n", V2_MOUNT, busy=True)
+    (root / "cgroup.subtree_control").write_text("cpu io memory pids\n")
+
+    def read_only(path: str, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    monkeypatch.setattr(os, "mkdir", read_only)
+    assert isinstance(jail.cgroup_layout(), str)
+
+
+@pytest.mark.parametrize(
+    "own, mounts",
+    [
+        ("0::/\n", "22 1 0:20 / /sys rw - sysfs sysfs rw\n"),  # no cgroup mounted at all
+        ("0::/\n", ""),
+        ("garbage\n", V2_MOUNT),  # an unreadable /proc/self/cgroup
+        ("0::/elsewhere\n", V2_MOUNT.replace(" / {root}", " /mine {root}")),  # not ours
+        (
+            "4:memory:/a\n0::/\n",
+            "40 23 0:30 / {root} rw - cgroup cgroup rw,memory\n",
+        ),  # v1, no pids
+    ],
+)
+def test_cgroup_layouts_without_a_usable_cgroup_say_why(
+    own: str, mounts: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake_cgroup_host(monkeypatch, tmp_path, own, mounts, busy=True)
+    layout = jail.cgroup_layout()
+    assert isinstance(layout, str) and layout, layout
+
+
+def test_a_missing_optional_layer_is_not_required(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host that has no cgroup or seccomp for the sandbox (cgroup v2 not delegated, another CPU)
+    runs it with the required layers, and only what the probe found is asked of each run."""
+    caps = capabilities() | {"cgroup": False, "seccomp": False, "per_run_uid": False}
+    monkeypatch.setattr(runner_module, "capabilities", lambda: caps)
+    result = run_tests(SOLUTION, "solve", TESTS)
+    assert result.all_passed and result.isolation == caps
 
 
 def test_a_huge_timeout_is_clamped(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -385,6 +385,12 @@ def cgroup_layout() -> tuple[str, list[str]] | str:
             if not {"memory", "pids"} <= set(enabled):
                 with open(os.path.join(parent, "cgroup.subtree_control"), "w") as f:
                     f.write("+memory +pids")
+            # The controllers may be on where no child can be made (a cgroup2 mounted read-only,
+            # as in containers): check, as for v1, so the layer is reported missing, not failed
+            # on every run.
+            child = os.path.join(parent, f"rlvr-probe-{os.getpid()}")
+            os.mkdir(child)
+            os.rmdir(child)
             return "v2", [parent]
         except OSError:
             continue
