@@ -358,6 +358,58 @@ HOSTILE = {
         "    print(made)\n"
         "    return 2 * x if made else -1\n"
     ),
+    "hidden paths named by /proc (cmdline, mountinfo), through links and /proc/self/root": (
+        "import os\n"
+        "def solve(x):\n"
+        "    harness = open('/proc/self/cmdline', 'rb').read().split(b'\\0')[3].decode()\n"
+        "    places = [os.path.dirname(harness), os.path.dirname(os.path.dirname(harness))]\n"
+        "    on_top = {}  # mount point: its last (visible) mount\n"
+        "    for line in open('/proc/self/mountinfo'):\n"
+        "        on_top[line.split()[4]] = line\n"
+        "    # what the root plan covered (not where a bind went on top: python in /usr/local)\n"
+        "    places += [p for p, line in on_top.items() if ' - tmpfs ' in line and 'size=64k' in line]\n"
+        "    found = []\n"
+        "    for place in places:\n"
+        "        for route in (place, '/proc/self/root' + place, '/proc/1/root' + place,\n"
+        "                      '/proc/1/cwd/..' + place):\n"
+        "            try:\n"
+        "                found += os.listdir(route)\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "        try:\n"
+        "            os.symlink(place, '/tmp/link')\n"
+        "            found += os.listdir('/tmp/link')\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "        finally:\n"
+        "            if os.path.islink('/tmp/link'):\n"
+        "                os.unlink('/tmp/link')\n"
+        "    try:\n"
+        "        found.append(open(harness).read(20))\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    print(places, found)\n"
+        "    return 2 * x if found else -1\n"
+    ),
+    "descriptors inherited from the zygote, the keeper or the init": (
+        "import os\n"
+        "names = os.listdir('/proc/self/fd')  # at load: what the run was given\n"
+        "extra = []\n"
+        "for name in names:\n"
+        "    try:\n"
+        "        target = os.readlink('/proc/self/fd/' + name)\n"
+        "    except OSError:\n"
+        "        continue  # the listing's own descriptor\n"
+        "    if int(name) > 3:\n"
+        "        extra.append((name, target))\n"
+        "try:\n"
+        "    extra.append(os.read(3, 1))  # the result channel is write-only\n"
+        "except OSError:\n"
+        "    pass\n"
+        "def solve(x):\n"
+        "    print(extra)\n"
+        "    return 2 * x if extra else -1\n"
+    ),
     "/sys, host devices, the kernel log and the loader's cache": (
         "import ctypes, os\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
@@ -384,6 +436,16 @@ HOSTILE = {
         "        opened.append('syslog')\n"
         "    print(opened)\n"
         "    return 2 * x if opened else -1\n"
+    ),
+    "clearing the parent-death signal, stopping the run's init": (
+        "import ctypes, os, signal\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "won = [libc.prctl(1, 0, 0, 0, 0) == 0]  # PR_SET_PDEATHSIG 0: outlive the keeper\n"
+        "os.kill(1, signal.SIGSTOP)  # the init of the run's namespace: ignored from inside\n"
+        "won.append(open('/proc/1/stat').read().split(')')[1].split()[0] == 'T')\n"
+        "def solve(x):\n"
+        "    print(won)\n"
+        "    return 2 * x if any(won) else -1\n"
     ),
 }
 
@@ -581,6 +643,30 @@ def test_the_root_plan_never_hides_python_and_hides_every_site_packages(
     for packages in Path(python).glob("lib*/python*/*-packages"):
         assert str(packages) in hides
     assert secret in hides and str(PACKAGE.parent) not in hides  # not under a bind: not there
+
+
+def test_a_grandchild_cannot_report_after_the_deadline() -> None:
+    """The run's init loops past the deadline while a grandchild in a new session waits to write
+    every right answer into the result channel after the kill (its parent stops itself, holding the
+    streams open): nothing of the run outlives its init, so nothing is read after it. Written
+    before the deadline, the same records would pass all three tests."""
+    code = (
+        "import os, signal, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(1.2)  # past the deadline\n"
+        "        for i, x in enumerate((1, 5, -3)):\n"
+        '            os.write(3, b\'{"i": %d, "out": "%d"}\\n\' % (i, 2 * x))\n'
+        "        os._exit(0)\n"
+        "    os.kill(os.getpid(), signal.SIGSTOP)  # a stopped process holding the streams open\n"
+        "    os._exit(0)\n"
+        "def solve(x):\n"
+        "    while True:\n"
+        "        pass\n"
+    )
+    result = run_hostile(code, wall=1.0)
+    assert result.timed_out and result.outcomes == ["missing"] * 3, result.outcomes
 
 
 def test_seccomp_and_pivot_root_on_an_unknown_cpu_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
