@@ -431,7 +431,7 @@ class CheckpointConfig(_Section):
 
 class TrackingConfig(_Section):
     report_to: list[Literal["trackio", "wandb", "tensorboard", "mlflow"]] = Field(
-        default_factory=lambda: ["trackio"],
+        ["trackio"],
         description="Trackers that get the metrics, config, alert events and rollouts table, as "
         "TRL spells them; `none` or [] for metrics.jsonl only (always written). wandb, tensorboard "
         "and mlflow are extras: pip install 'rlvr[wandb]' (docs/tracking.md).",

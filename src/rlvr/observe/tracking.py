@@ -1,7 +1,9 @@
-"""Where metrics go: RUN_DIR/metrics.jsonl always, trackio (local) when enabled.
+"""Where metrics go: RUN_DIR/metrics.jsonl always, and the trackers `tracking.report_to` names
+(trackio by default; wandb, tensorboard, mlflow: observe/trackers.py).
 
-One JSON object per line: {"step": k, "time": unix seconds, <metric>: value, ...}. Rollout samples go
-to RUN_DIR/rollouts.jsonl so a run can be read back trajectory by trajectory.
+One JSON object per line: {"step": k, "time": unix seconds, <metric>: value, ...}; an event row (an
+alert, a curriculum promotion) has "event" instead of metrics. Rollout samples go to
+RUN_DIR/rollouts.jsonl so a run can be read back trajectory by trajectory.
 """
 
 from __future__ import annotations
@@ -9,8 +11,11 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from rlvr.observe.trackers import Backend, numeric, open_backends
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -36,7 +41,7 @@ class Tracker:
         self,
         run_dir: Path,
         *,
-        use_trackio: bool,
+        report_to: Sequence[str] = (),
         project: str,
         run_name: str,
         config: dict[str, Any],
@@ -45,44 +50,62 @@ class Tracker:
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
         self.rollouts_path = run_dir / "rollouts.jsonl"
+        # The last step the trackers were sent before the stop (the files still hold it here).
+        logged_upto = _last_step(self.metrics_path) if resume_step is not None else None
         if resume_step is not None:
             truncate_jsonl(self.metrics_path, resume_step)
             truncate_jsonl(self.rollouts_path, resume_step)
-        self._trackio: Any = None
-        if use_trackio:
-            import trackio
-
-            trackio.init(
+        # Event rows so far: trackers that show them as one table redraw it with each new one.
+        self.events = (
+            [row for row in read_metrics(run_dir) if "event" in row]
+            if resume_step is not None and self.metrics_path.exists()
+            else []
+        )
+        self.backends: list[Backend] = []
+        if report_to:
+            self.backends = open_backends(
+                run_dir,
+                report_to,
                 project=project,
-                name=run_name,
+                run_name=run_name,
                 config=config,
-                resume="allow" if resume_step is not None else "never",
-                embed=False,
+                resume_step=resume_step,
+                resumed_upto=logged_upto,
             )
-            self._trackio = trackio
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
+        """One row of metrics.jsonl: a step's metrics, or an event row (it has "event")."""
         record = {"step": step, "time": round(time.time(), 3)}
         record.update({k: _finite_or_none(v) for k, v in metrics.items()})
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._trackio is not None:
-            numeric = {
-                k: v
-                for k, v in metrics.items()
-                if isinstance(v, int | float) and not isinstance(v, bool)
-            }
-            self._trackio.log(numeric, step=step)
+        if "event" in metrics:
+            self.events.append(record)
+            for backend in self.backends:
+                backend.log_event(record, self.events, step)
+            return
+        values = numeric(metrics)
+        for backend in self.backends:
+            backend.log(values, step)
 
     def log_rollouts(self, rows: list[dict[str, Any]], step: int) -> None:
         with self.rollouts_path.open("a") as f:
             for row in rows:
                 f.write(json.dumps({"step": step, **row}) + "\n")
+        for backend in self.backends:
+            backend.log_rollouts(rows, step)
 
     def close(self) -> None:
-        if self._trackio is not None:
-            self._trackio.finish()
-            self._trackio = None
+        backends, self.backends = self.backends, []
+        for backend in backends:
+            backend.close()
+
+
+def _last_step(path: Path) -> int | None:
+    if not path.exists():
+        return None
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line]
+    return max(steps, default=None)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -97,7 +120,8 @@ class NullTracker(Tracker):
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
         self.rollouts_path = run_dir / "rollouts.jsonl"
-        self._trackio = None
+        self.events = []
+        self.backends = []
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         pass

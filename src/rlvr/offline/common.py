@@ -224,9 +224,7 @@ def run_stage(
         load_weights_into(model, checkpoint, lora)
         state, _ = load_training_state(checkpoint, optimizer, scheduler)
         start = int(state["step"])
-    tracker = Tracker(
-        output_dir, use_trackio=False, project="", run_name="", config={}, resume_step=start
-    )
+    tracker = Tracker(output_dir, project="", run_name="", config={}, resume_step=start)
     progress = Progress(total=steps, start=start, enabled=cfg.progress, label=output_dir.name)
 
     def save(step: int) -> None:

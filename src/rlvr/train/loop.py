@@ -62,6 +62,7 @@ from rlvr.observe.metrics import (
 from rlvr.observe.mismatch import mismatch_rule
 from rlvr.observe.monitors import Alert, Monitors, apply_changes, mitigation
 from rlvr.observe.progress import Progress
+from rlvr.observe.trackers import require_trackers
 from rlvr.observe.tracking import NullTracker, Tracker, read_metrics
 from rlvr.observe.watchdog import Watchdog, watch
 from rlvr.records import flatten
@@ -128,6 +129,8 @@ def train(
     # made the directory.
     main_rank = os.environ.get("RANK", "0") == "0"
     check_run_dir(run_dir, resume=resume, overwrite=overwrite, main=main_rank)
+    if main_rank:
+        require_trackers(cfg.tracking.trackers)  # a missing tracker library, before the model loads
     seed_everything(cfg.train.seed)
 
     # Under torchrun: this process is one rank; rank 0 alone writes metrics and checkpoints.
@@ -219,7 +222,7 @@ def train(
 
         tracker = (Tracker if is_main else NullTracker)(
             run_dir,
-            use_trackio=cfg.tracking.trackio,
+            report_to=cfg.tracking.trackers,
             project=cfg.tracking.project,
             run_name=cfg.tracking.run_name or run_dir.name,
             config=config_to_dict(cfg),
