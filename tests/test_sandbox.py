@@ -437,6 +437,21 @@ HOSTILE = {
         "    print(opened)\n"
         "    return 2 * x if opened else -1\n"
     ),
+    "kernel memory in empty files (tmpfs inodes, which no size= limits)": (
+        "import os\n"
+        "made = {}\n"
+        "for d in ('/tmp', '/dev/shm'):\n"
+        "    made[d] = 0\n"
+        "    try:\n"
+        "        while made[d] < 20000:\n"
+        "            os.close(os.open(f'{d}/{made[d]}', os.O_CREAT | os.O_WRONLY, 0o600))\n"
+        "            made[d] += 1\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "def solve(x):\n"
+        "    print(made)\n"
+        "    return 2 * x if max(made.values()) >= 20000 else -1  # 16k a directory\n"
+    ),
     "clearing the parent-death signal, stopping the run's init": (
         "import ctypes, os, signal\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
