@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from rlvr.config import TrackingConfig, load_config
-from rlvr.errors import ConfigError
+from rlvr.errors import ConfigError, RlvrError
 from rlvr.observe.tracking import Tracker, read_metrics
 
 LIBRARIES = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow"}
@@ -246,6 +246,18 @@ def test_a_missing_tracker_library_names_the_extra(
     assert str(e.value) == (
         "tracking.report_to has wandb, but its library is not installed: pip install 'rlvr[wandb]'"
     )
+    assert "\n" not in str(e.value)
+
+
+def test_wandb_without_a_login_says_how_to_log_in_or_go_offline(
+    offline_trackers: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("HOME", str(offline_trackers))  # no ~/.netrc
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(RlvrError) as e:  # refused before any request: no network needed
+        Tracker(offline_trackers, report_to=["wandb"], project="p", run_name="r", config={})
+    assert "WANDB_MODE=offline" in str(e.value) and "wandb login" in str(e.value)
     assert "\n" not in str(e.value)
 
 

@@ -158,8 +158,9 @@ class WandbBackend(Backend):
                 config=config,
                 id=run_id,
                 resume="allow" if run_id else None,
-                # Read here, not left to wandb: it reads WANDB_DIR once per process.
+                # Read here, not left to wandb: it reads WANDB_* once per process.
                 dir=os.environ.get("WANDB_DIR") or str(run_dir),
+                mode=os.environ.get("WANDB_MODE") or None,
             )
         except Exception as e:  # no API key, no network: one line, and the ways out
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
