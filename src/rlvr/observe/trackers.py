@@ -151,6 +151,7 @@ class WandbBackend(Backend):
 
         self._wandb: Any = wandb
         run_id = saved.get("id")
+        mode: Any = os.environ.get("WANDB_MODE") or None  # online, offline, disabled
         try:
             self._run = wandb.init(
                 project=project,
@@ -160,7 +161,7 @@ class WandbBackend(Backend):
                 resume="allow" if run_id else None,
                 # Read here, not left to wandb: it reads WANDB_* once per process.
                 dir=os.environ.get("WANDB_DIR") or str(run_dir),
-                mode=os.environ.get("WANDB_MODE") or None,
+                mode=mode,
             )
         except Exception as e:  # no API key, no network: one line, and the ways out
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
