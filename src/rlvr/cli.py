@@ -182,12 +182,28 @@ def eval_command(
         int | None, typer.Option("--max-new-tokens", help="Default: the run's (or 64 for a model).")
     ] = None,
     temperature: Annotated[float, typer.Option("--temperature", help="For mean@k sampling.")] = 1.0,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="Override the eval's config: key.sub=value (repeatable), e.g. "
+            "task.env.num_heldout=20 or task.env.options.size=3 with --task env:...",
+        ),
+    ] = None,
 ) -> None:
     """Greedy pass@1 (and mean@k with --k) on the task's held-out split."""
     _quiet_libraries()
     from rlvr.evaluate_cli import run_eval
 
-    run_eval(model, task=task, n=n, k=k, max_new_tokens=max_new_tokens, temperature=temperature)
+    run_eval(
+        model,
+        task=task,
+        n=n,
+        k=k,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        overrides=list(set_ or []),
+    )
 
 
 @app.command("inspect")

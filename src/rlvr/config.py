@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlvr.errors import ConfigError
+from rlvr.yaml_types import file_booleans, override_value
 
 
 class _Section(BaseModel):
@@ -856,7 +857,12 @@ class RunConfig(_Section):
     monitors: MonitorsConfig = MonitorsConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
-    output_dir: str = Field("runs/latest", description="RUN_DIR: metrics, checkpoints, config.")
+    output_dir: str = Field(
+        "runs/latest",
+        description="RUN_DIR: metrics, checkpoints, config. A relative path is taken from the "
+        "working directory rather than the config file's folder (unlike the reward, env and data "
+        "files a config names), so `rlvr train examples/x.yaml` writes runs/ where you run it.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -1052,21 +1058,27 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return f"{source}: '{where}': {msg} (got {first.get('input')!r}){more}"
 
 
-def _parse_override(item: str) -> tuple[list[str], Any]:
+def _parse_override(item: str, schema: type[BaseModel] | None = None) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"--set '{item}': expected key=value, e.g. train.steps=10")
     key, raw = item.split("=", 1)
+    path = key.strip().split(".")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
-    return key.strip().split("."), value
+    if schema is not None:  # `model.bf16=off`: the text, where the field is text (yaml_types.py)
+        value = override_value(schema, path, raw, value)
+    return path, value
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set `a.b.c=value` paths in nested config data; a number indexes a list (`stages.0.name=x`)."""
+def apply_overrides(
+    data: dict[str, Any], overrides: list[str], schema: type[BaseModel] | None = None
+) -> dict[str, Any]:
+    """Set `a.b.c=value` paths in nested config data; a number indexes a list (`stages.0.name=x`).
+    With `schema`, a value YAML read as a bool or number goes in as typed where the field is text."""
     for item in overrides:
-        path, value = _parse_override(item)
+        path, value = _parse_override(item, schema)
         node: Any = data
         for part in path[:-1]:
             if isinstance(node, list):
@@ -1115,8 +1127,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(
                 f"{source}: the top level must be a mapping of sections, got {type(loaded).__name__}"
             )
-        data = loaded
-    data = apply_overrides(data, overrides or [])
+        data = file_booleans(loaded, RunConfig)  # `bf16: off` means "off" (yaml_types.py)
+    data = apply_overrides(data, overrides or [], RunConfig)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -206,6 +207,13 @@ def evaluate_sources(
     accuracies = []
     totals: dict[str, float] = {}
     for source in sources:
+        if n > len(source.splits.heldout):
+            where = f"source '{source.name}'" if sources.is_mixture else "the task"
+            warnings.warn(
+                f"eval.n={n} but {where} has {len(source.splits.heldout)} held-out tasks: "
+                f"evaluating those {len(source.splits.heldout)}",
+                stacklevel=2,
+            )
         ev = evaluate(
             source.splits.heldout[:n],
             source.make_env,

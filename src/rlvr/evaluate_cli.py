@@ -6,12 +6,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from rlvr.build import build_generator, rollout_limits
-from rlvr.config import RunConfig, load_config
+from rlvr.config import (
+    RunConfig,
+    _format_validation_error,
+    apply_overrides,
+    config_to_dict,
+    load_config,
+)
 from rlvr.errors import ConfigError
 from rlvr.evaluate import describe_errors, evaluate_sources, refuse_if_all_failed
 from rlvr.models import Policy, load_policy, load_tokenizer
@@ -46,10 +53,14 @@ def load_model(model: str) -> tuple[Policy, RunConfig]:
     return load_policy(model), load_config(None)
 
 
-def with_task(cfg: RunConfig, task: str | None) -> tuple[RunConfig, Path | None]:
+def with_task(
+    cfg: RunConfig, task: str | None, overrides: list[str] | None = None
+) -> tuple[RunConfig, Path | None]:
     """`cfg` with its tasks (task, rewards, mixture, eval metric) replaced as `--task` says:
     arithmetic, env:NAME, or a config .yaml (whose rollout and sampling come too). None keeps the
-    run's own tasks. Returns the config and the directory its reward files are relative to."""
+    run's own tasks. `overrides` (`--set key=value`) then apply to the result, e.g.
+    `task.env.num_heldout=20` or `task.env.options.size=3`. Returns the config and the directory
+    its reward files are relative to."""
     base_dir = None
     swap: RunConfig | None = None
     if task is None:
@@ -59,7 +70,12 @@ def with_task(cfg: RunConfig, task: str | None) -> tuple[RunConfig, Path | None]
     elif task == "arithmetic":
         swap = load_config(None)
     elif task.startswith("env:"):
-        swap = load_config(None, ["task.source=env", f"task.env.name={task[4:]}"])
+        # Eval reads only the held-out split, which does not depend on num_train (instances are
+        # held out by a hash of their id): one train instance spares a small family from
+        # failing to find 2000 distinct ones.
+        swap = load_config(
+            None, ["task.source=env", f"task.env.name={task[4:]}", "task.env.num_train=1"]
+        )
     else:
         raise ConfigError(
             f"--task '{task}': expected arithmetic, env:NAME or a config .yaml whose tasks to use"
@@ -75,6 +91,12 @@ def with_task(cfg: RunConfig, task: str | None) -> tuple[RunConfig, Path | None]
         if task is not None and task.endswith((".yaml", ".yml")):
             update |= {"rollout": swap.rollout, "sampling": swap.sampling}
         cfg = cfg.model_copy(update=update)
+    if overrides:
+        data = apply_overrides(config_to_dict(cfg), overrides, RunConfig)
+        try:
+            cfg = RunConfig.model_validate(data)
+        except ValidationError as err:
+            raise ConfigError(_format_validation_error(err, "--set")) from None
     return cfg, base_dir
 
 
@@ -86,10 +108,11 @@ def run_eval(
     k: int,
     max_new_tokens: int | None,
     temperature: float,
+    overrides: list[str] | None = None,
 ) -> dict[str, float]:
     """Defaults (token limit, stop strings, metric, rollout limits) come from the run's config."""
     policy, cfg = load_model(model)
-    cfg, base_dir = with_task(cfg, task)
+    cfg, base_dir = with_task(cfg, task, overrides)
     limit = max_new_tokens or cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens
     sources = Sources(cfg, base_dir)
     generator = build_generator(policy, cfg)

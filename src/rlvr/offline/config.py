@@ -21,6 +21,7 @@ from rlvr.config import (
     apply_overrides,
 )
 from rlvr.errors import ConfigError
+from rlvr.yaml_types import file_booleans
 
 
 class OfflineDataConfig(_Section):
@@ -169,7 +170,8 @@ def load_stage_config(
             raise ConfigError(f"{source}: malformed YAML: {problem}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: the top level must be a mapping of keys")
-    data = apply_overrides(data, overrides or [])
+        data = file_booleans(data, cls)  # `bf16: off` means "off" (rlvr/yaml_types.py)
+    data = apply_overrides(data, overrides or [], cls)
     try:
         return cls.model_validate(data)
     except ValidationError as err:
