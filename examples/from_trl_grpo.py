@@ -17,12 +17,14 @@ HERE = Path(__file__).resolve().parent
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", required=True)
-model = parser.parse_args().model
+parser.add_argument("--max-steps", type=int, default=30)
+parser.add_argument("--output-dir", default="runs/from_trl_trl")
+cli = parser.parse_args()
 
 dataset = load_dataset("json", data_files=str(HERE / "from_trl_prompts.jsonl"), split="train")
 split = dataset.train_test_split(test_size=0.1, seed=0)
 args = GRPOConfig(
-    output_dir="runs/from_trl_trl",
+    output_dir=cli.output_dir,
     num_generations=8,
     generation_batch_size=32,
     per_device_train_batch_size=32,
@@ -32,7 +34,7 @@ args = GRPOConfig(
     epsilon=0.2,
     loss_type="dapo",
     scale_rewards="group",
-    max_steps=30,
+    max_steps=cli.max_steps,
     learning_rate=3e-3,
     lr_scheduler_type="linear",
     adam_beta2=0.999,
@@ -41,7 +43,7 @@ args = GRPOConfig(
     use_cpu=True,
 )
 trainer = GRPOTrainer(
-    model=model,
+    model=cli.model,
     reward_funcs=[digit_reward, correct_answer],
     args=args,
     train_dataset=split["train"],

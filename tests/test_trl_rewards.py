@@ -243,3 +243,42 @@ def test_the_coming_from_trl_config_trains_on_the_tiny_model(
     assert trained and all("rewards/digit_reward/mean" in m for m in trained)
     assert all(m["rewards/digit_reward/errors"] == 0 for m in trained)
     assert all(m["rewards/correct_answer/errors"] == 0 for m in trained)
+
+
+def test_the_docs_show_the_example_files_as_they_are() -> None:
+    doc = (ROOT / "docs" / "coming_from_trl.md").read_text()
+    python_blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    assert (EXAMPLES / "from_trl_rewards.py").read_text() in python_blocks
+    assert (EXAMPLES / "from_trl_grpo.py").read_text() in python_blocks
+
+
+def test_the_trl_side_runs_where_trl_is_installed(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The GRPOTrainer script of the docs, one step on the tiny model: the same reward functions
+    are logged under the same names rlvr logs them."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("trl")
+    for name in ("from_trl_grpo.py", "from_trl_rewards.py", "from_trl_prompts.jsonl"):
+        shutil.copy(EXAMPLES / name, tmp_path / name)
+    command = [
+        sys.executable,
+        "from_trl_grpo.py",
+        "--model",
+        str(tiny_model_dir),
+        "--max-steps",
+        "1",
+    ]
+    command += ["--output-dir", str(tmp_path / "out")]
+    done = subprocess.run(
+        command,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rewards/digit_reward/mean" in done.stdout + done.stderr
