@@ -452,6 +452,27 @@ HOSTILE = {
         "    print(made)\n"
         "    return 2 * x if max(made.values()) >= 20000 else -1  # 16k a directory\n"
     ),
+    # A crash with RLIMIT_CORE other than 1 runs a core_pattern pipe (apport, systemd-coredump): a
+    # root helper on the host gets the candidate's memory, hidden inputs included. Here core_pattern
+    # is a file, so the program checks the limit a crash would see, in itself and in a child.
+    "core dumps to the host's core_pattern pipe (RLIMIT_CORE lowered to 0)": (
+        "import resource, subprocess, sys\n"
+        "def solve(x):\n"
+        "    for limits in ((0, 0), (0, 1)):\n"
+        "        try:\n"
+        "            resource.setrlimit(resource.RLIMIT_CORE, limits)\n"
+        "        except (OSError, ValueError):\n"
+        "            pass\n"
+        "        try:\n"
+        "            resource.prlimit(0, resource.RLIMIT_CORE, limits)\n"
+        "        except (OSError, ValueError):\n"
+        "            pass\n"
+        "    child = [sys.executable, '-c', 'import resource; print(resource.getrlimit(4)[0])']\n"
+        "    seen = {resource.getrlimit(resource.RLIMIT_CORE)[0]}\n"
+        "    seen.add(int(subprocess.run(child, capture_output=True, text=True).stdout))\n"
+        "    print(seen)\n"
+        "    return 2 * x if seen != {1} else -1\n"
+    ),
     "clearing the parent-death signal, stopping the run's init": (
         "import ctypes, os, signal\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"

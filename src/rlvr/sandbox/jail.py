@@ -256,8 +256,11 @@ _NUMBERS = {
     "prctl": (157, 167),
     "socket": (41, 198),
     "socketpair": (53, 199),
+    "setrlimit": (160, 164),
+    "prlimit64": (302, 261),
 }
-FILTERED = ("clone", "clone3", "prctl", "socket", "socketpair")  # allowed, some arguments denied
+# allowed, some arguments denied
+FILTERED = ("clone", "clone3", "prctl", "socket", "socketpair", "setrlimit", "prlimit64")
 DENIED = [name for name in _NUMBERS if name not in FILTERED]
 # Socket families a candidate may create. The network namespace covers these; it does not cover
 # AF_VSOCK, which reaches the hypervisor's services from inside a VM (Firecracker, cloud VMs with a
@@ -265,6 +268,11 @@ DENIED = [name for name in _NUMBERS if name not in FILTERED]
 # Any other family answers EAFNOSUPPORT, as on a kernel built without it.
 AF_UNIX, AF_INET, AF_INET6, AF_NETLINK = 1, 2, 10, 16
 SOCKET_FAMILIES = (AF_UNIX, AF_INET, AF_INET6, AF_NETLINK)
+# RLIMIT_CORE stays what the harness set, 1: the one value at which the kernel skips a core_pattern
+# pipe (Ubuntu's apport, systemd-coredump), a root helper on the host that would receive the crashed
+# candidate's memory, hidden inputs included, and store it there; with 0 the pipe still runs. A
+# process may always lower its own limit, so lowering it to 0 is what the filter refuses.
+RLIMIT_CORE = 4
 SYSCALLS = {
     arch: {name: numbers[i] for name, numbers in _NUMBERS.items()}
     for i, arch in enumerate(("x86_64", "aarch64"))
@@ -314,6 +322,8 @@ def seccomp_program() -> bytes | None:
     program.append((_JEQ, "clone", None, numbers["clone"]))
     program.append((_JEQ, "socket", None, numbers["socket"]))
     program.append((_JEQ, "socket", None, numbers["socketpair"]))
+    program.append((_JEQ, "setrlimit", None, numbers["setrlimit"]))
+    program.append((_JEQ, "prlimit", None, numbers["prlimit64"]))
     program.append((_JEQ, "prctl", "allow", numbers["prctl"]))
     labels["clone"] = len(program)
     program.append((_LD_W_ABS, None, None, 16))  # args[0], low half: clone's flags
@@ -321,6 +331,16 @@ def seccomp_program() -> bytes | None:
     labels["prctl"] = len(program)
     program.append((_LD_W_ABS, None, None, 16))  # a candidate may not outlive its keeper
     program.append((_JEQ, "deny", "allow", PR_SET_PDEATHSIG))
+    labels["setrlimit"] = len(program)
+    program.append((_LD_W_ABS, None, None, 16))  # args[0]: the resource
+    program.append((_JEQ, "deny", "allow", RLIMIT_CORE))
+    labels["prlimit"] = len(program)
+    program.append((_LD_W_ABS, None, None, 24))  # args[1]: the resource (args[0] is a pid)
+    program.append((_JEQ, None, "allow", RLIMIT_CORE))
+    program.append((_LD_W_ABS, None, None, 32))  # args[2], the new limit: NULL only reads it
+    program.append((_JEQ, None, "deny", 0))
+    program.append((_LD_W_ABS, None, None, 36))
+    program.append((_JEQ, "allow", "deny", 0))
     labels["socket"] = len(program)
     program.append((_LD_W_ABS, None, None, 16))  # args[0], low half: the family
     for family in SOCKET_FAMILIES:

@@ -312,7 +312,7 @@ def _job(
             "RLIMIT_FSIZE": limits.max_file_bytes,
             "RLIMIT_NOFILE": limits.max_open_files,
             "RLIMIT_NPROC": nproc,
-            "RLIMIT_CORE": 0,
+            "RLIMIT_CORE": 1,  # not 0: 1 is what stops a core_pattern pipe (jail.RLIMIT_CORE)
         },
     }
 
