@@ -295,6 +295,8 @@ class ExternalRollout:
                 errors.update(score.errors)
                 total += score.total
             info = dict(trajectory.info)
+            if scoring.rubric is not None and score.skipped and not rewards and not errors:
+                info["unscorable"] = list(score.skipped)  # every TRL-style function said None
             if errors:
                 info["reward_errors"] = errors
             turns = len(trajectory.turns)
