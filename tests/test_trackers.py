@@ -289,7 +289,7 @@ def test_training_and_its_resume_log_one_run_per_tracker(
         [
             f"model.name={tiny_model_dir}",
             f"output_dir={tmp / 'run'}",
-            "model.bf16='off'",  # quoted: YAML reads a bare off as false
+            "model.bf16=off",
             "tracking.progress=false",
             "tracking.report_to=[wandb, tensorboard, mlflow]",
             "train.steps=4",
