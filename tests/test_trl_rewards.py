@@ -282,3 +282,34 @@ def test_the_trl_side_runs_where_trl_is_installed(tiny_model_dir: Path, tmp_path
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "rewards/digit_reward/mean" in done.stdout + done.stderr
+
+
+def test_eval_accuracy_on_a_trl_metric_leaves_out_the_samples_it_does_not_apply_to(
+    tiny_model_dir: Path,
+) -> None:
+    """Two held-out tasks, the metric pays 1.0 on one and None on the other: accuracy 1.0 (TRL's
+    nanmean), not 0.5."""
+    from rlvr.evaluate import evaluate
+    from rlvr.models import load_policy
+    from rlvr.rollout.engine import Scoring
+    from rlvr.rollout.hf import HFGenerator
+
+    def solved(completions, answer, **kwargs):  # type: ignore[no-untyped-def]
+        return [None if a is None else 1.0 for a in answer]
+
+    policy = load_policy(str(tiny_model_dir))
+    generator = HFGenerator(
+        policy.model, policy.tokenizer, eos_token_ids=set(), autocast_bf16=False
+    )
+    tasks = [make_task("known", answer="1"), make_task("unknown", answer=None)]
+    with pytest.warns(UserWarning, match="every reward function returned None"):
+        ev = evaluate(
+            tasks,
+            None,
+            generator,
+            policy.tokenizer,
+            Scoring(rubric=Rubric([RewardFunction("solved", solved, style="trl")])),
+            metric="solved",
+            max_new_tokens=3,
+        )
+    assert ev["eval/accuracy"] == 1.0 and ev["eval/errors"] == 0.0

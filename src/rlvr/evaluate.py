@@ -168,9 +168,12 @@ def evaluate(
     trajectories = flatten(groups)
     if failures is not None:
         failures.extend(describe_failure(t) for t in trajectories if t.reward_errors)
-    values = [t.rewards.get(metric, 0.0) for t in trajectories]
+    # A TRL-style metric that returned None ("not applicable") on a rollout: out of the mean, as
+    # TRL's nanmean leaves it; a failure (error) still counts as wrong.
+    applicable = [t for t in trajectories if metric not in t.info.get("not_applicable", ())]
+    values = [t.rewards.get(metric, 0.0) for t in applicable]
     out = {
-        "eval/accuracy": statistics.fmean(values),
+        "eval/accuracy": statistics.fmean(values) if values else 0.0,
         "eval/reward": statistics.fmean(t.reward for t in trajectories),
         "eval/mean_length": statistics.fmean(t.num_policy_tokens for t in trajectories),
         **error_metrics(trajectories),

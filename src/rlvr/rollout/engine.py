@@ -358,6 +358,8 @@ def _trajectory(
         errors.update(score.errors)
         if turn_totals:
             turn_totals[-1] += score.total
+        if score.skipped:  # eval leaves these out of a metric's mean, as TRL's nanmean does
+            info["not_applicable"] = list(score.skipped)
         if score.skipped and not rewards and not errors:
             # Every reward function said "not applicable" (TRL's None): TRL leaves such a sample
             # out of its group's baseline and gives it no advantage; `usable` is False for it.
