@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -703,6 +704,42 @@ def test_a_grandchild_cannot_report_after_the_deadline() -> None:
     )
     result = run_hostile(code, wall=1.0)
     assert result.timed_out and result.outcomes == ["missing"] * 3, result.outcomes
+
+
+def test_a_run_in_flight_when_the_zygote_ends_leaves_nothing_behind() -> None:
+    """The runner exits (or restarts its zygote) while a run is in flight: the run ends, and its
+    cgroup goes with it (its keeper, killed at once, used to leave it on the host)."""
+    from rlvr.sandbox import SandboxUnavailable
+
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runner_module.run_tests(HOSTILE["fork bomb"], "solve", TESTS, SandboxLimits(5.0))
+        except SandboxUnavailable as exc:
+            outcome.append(exc)
+
+    before = {p for parent in cgroup_parents() for p in Path(parent).glob("rlvr-sandbox-*")}
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 3.0
+    runs: set[Path] = set()
+    while not runs and time.monotonic() < deadline:
+        time.sleep(0.05)
+        runs = {p for parent in cgroup_parents() for p in Path(parent).glob("rlvr-sandbox-*")}
+        runs -= before
+        if not cgroup_parents():
+            time.sleep(0.5)  # no cgroup to wait for: let the run start
+            break
+    zygote = runner_module._zygote_now
+    assert zygote is not None
+    zygote.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and outcome, "the run should end when its zygote does"
+    for path in runs:
+        assert not path.exists(), path
+        uid = jail.RUN_UID_BASE + int(path.name.rsplit("-", 1)[1])
+        assert not processes_of(uid)
 
 
 def test_seccomp_and_pivot_root_on_an_unknown_cpu_say_why(monkeypatch: pytest.MonkeyPatch) -> None:

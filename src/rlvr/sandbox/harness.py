@@ -173,12 +173,32 @@ def keeper(fds: list[int], context: dict[str, Any]) -> None:
     for fd in (out_fd, err_fd, res_fd, status_w, release_r):
         os.close(fd)
 
+    def kill() -> None:
+        for send in (os.kill, os.killpg):  # the namespace's init; or, without one, its group
+            with contextlib.suppress(OSError):
+                send(pid, signal.SIGKILL)
+
+    cgroup: list[str] = []
+
+    def end_with_the_zygote(signum: int, frame: Any) -> None:
+        """The zygote is gone (the runner exited or restarted it) while this run is in flight: end
+        the run and remove its cgroup, which dying at once by SIGKILL left on the host."""
+        kill()
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)  # returns once every process of the run is gone
+        jail.remove_cgroup(cgroup)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, end_with_the_zygote)
+    jail.set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != context["zygote"]:  # it died before this signal was set
+        end_with_the_zygote(signal.SIGTERM, None)
+
     uid = None
     if os.geteuid() == 0:
         uid = jail.RUN_UID_BASE + pid if context["uid_range"] else jail.NOBODY
         if not context["uid_range"]:
             why["per_run_uid"] = "uids above the run range are not mapped here; all runs are nobody"
-    cgroup: list[str] = []
     layout = context["cgroups"]
     if isinstance(layout, str):
         why["cgroup"] = layout
@@ -193,11 +213,6 @@ def keeper(fds: list[int], context: dict[str, Any]) -> None:
     release = {"uid": uid, "cgroup": bool(cgroup), "why": why}  # the init waits for this
     os.write(release_w, json.dumps(release).encode())
     os.close(release_w)
-
-    def kill() -> None:
-        for send in (os.kill, os.killpg):  # the namespace's init; or, without one, its group
-            with contextlib.suppress(OSError):
-                send(pid, signal.SIGKILL)
 
     try:
         exited: Any = os.pidfd_open(pid)  # readable once the init (and its namespace) is gone
