@@ -145,3 +145,23 @@ def test_the_cli_exports_a_chosen_step_and_prints_its_version(
     assert f"# run, step {steps[0]}" in (tmp_path / "cli" / "README.md").read_text()
     version = CliRunner().invoke(app, ["--version"])
     assert version.exit_code == 0 and version.output.startswith("rlvr ")
+
+
+def test_the_card_lists_the_alerts_up_to_the_exported_step(full_run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    alert = {
+        "step": 1,
+        "time": 0.0,
+        "event": "entropy_collapse",
+        "action": "warn",
+        "message": "low",
+    }
+    late = {**alert, "step": 99, "event": "echo_trap"}
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(alert) + "\n" + json.dumps(late) + "\n")
+    card = (export_run(run, tmp_path / "out") / "README.md").read_text()
+    assert "- step 1: **entropy_collapse** (warn): low" in card
+    assert "**echo_trap**" not in card  # fired after the exported checkpoint
