@@ -114,7 +114,7 @@ def load_pipeline_config(path: str | Path, overrides: list[str] | None = None) -
         raise ConfigError(f"{file}: malformed YAML: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: the top level must be a mapping (model, output_dir, stages)")
-    data = apply_overrides(data, overrides or [])
+    data = apply_overrides(data, overrides or [], PipelineConfig)
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as err:
