@@ -139,9 +139,20 @@ def test_the_cli_exports_a_chosen_step_and_prints_its_version(
 ) -> None:
     steps = sorted(int(p.name.removeprefix("step-")) for p in (full_run / "checkpoints").iterdir())
     result = CliRunner().invoke(
-        app, ["export", str(full_run), str(tmp_path / "cli"), "--step", str(steps[0])]
+        app,
+        [
+            "export",
+            str(full_run),
+            str(tmp_path / "cli"),
+            "--step",
+            str(steps[0]),
+            "--dtype",
+            "bf16",
+        ],
     )
     assert result.exit_code == 0, result.output
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "cli", dtype="auto")
+    assert next(exported.parameters()).dtype == torch.bfloat16
     assert f"# run, step {steps[0]}" in (tmp_path / "cli" / "README.md").read_text()
     version = CliRunner().invoke(app, ["--version"])
     assert version.exit_code == 0 and version.output.startswith("rlvr ")

@@ -408,13 +408,22 @@ def export_command(
             help="LoRA run: fold the adapters into the base weights (default: a PEFT adapter).",
         ),
     ] = False,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="float32, bfloat16 or float16 (fp32, bf16, fp16; default: as trained; bf16 halves the size but "
+            "rounds away updates smaller than its precision).",
+        ),
+    ] = None,
 ) -> None:
     """Write a run's policy as a Hugging Face model folder (safetensors, tokenizer, chat template,
     generation config) with a model card, loadable by transformers and `vllm serve`."""
     _quiet_libraries()
     from rlvr.export import export_run
 
-    typer.echo(f"export: {export_run(run_dir, out, step=step, merge_lora=merge_lora).resolve()}")
+    exported = export_run(run_dir, out, step=step, merge_lora=merge_lora, dtype=dtype)
+    typer.echo(f"export: {exported.resolve()}")
 
 
 @app.command("report")

@@ -63,10 +63,27 @@ def pick_checkpoint(run_dir: Path, step: int | None) -> Path:
     )
 
 
+# `--dtype` choices: the weights are kept as trained (fp32 master weights here) unless asked.
+EXPORT_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+
+
 def export_run(
-    run_dir: Path, out: Path, *, step: int | None = None, merge_lora: bool = False
+    run_dir: Path,
+    out: Path,
+    *,
+    step: int | None = None,
+    merge_lora: bool = False,
+    dtype: str | None = None,
 ) -> Path:
-    """Write the policy of `run_dir` (its checkpoint of `step`, default the last) to `out`."""
+    """Write the policy of `run_dir` (its checkpoint of `step`, default the last) to `out`;
+    `dtype` casts the weights (half the size in bf16, at the cost of rounding small updates)."""
     from rlvr.models import eos_token_ids, load_policy, load_tokenizer
 
     if not (run_dir / "config.yaml").is_file():
@@ -77,6 +94,8 @@ def export_run(
     checkpoint = pick_checkpoint(run_dir, step)
     model_dir = checkpoint / "model"
     is_lora = (model_dir / "adapter_config.json").is_file()
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(EXPORT_DTYPES)}")
     if merge_lora and not is_lora:
         raise ConfigError(f"--merge-lora: '{run_dir}' trained all weights, not LoRA adapters")
     tokenizer = load_tokenizer(str(model_dir))
@@ -91,6 +110,10 @@ def export_run(
         model: Any = peft_model.merge_and_unload() if merge_lora else peft_model
     else:
         model = load_policy(str(model_dir)).model
+    if dtype is not None:
+        import torch
+
+        model = model.to(getattr(torch, EXPORT_DTYPES[dtype]))
     # Sampling stopped on these ids in training; the exported model must stop on them too.
     generation = model.generation_config
     generation.eos_token_id = sorted(eos_token_ids(model, tokenizer))
