@@ -5,6 +5,9 @@ returns a `Score` with each component's value, the weighted total and, separatel
 function that raises or returns something that is not a finite number is recorded as an error
 and never turned into 0.0: a silent zero would teach the policy that a possibly-correct answer was
 wrong, so the training loop instead leaves such a trajectory out of the update.
+
+(Just over 500 lines: loading, calling and scoring are one pipeline, and TRL-style batch calls
+live in trl_style.py; splitting the rest would scatter the error rules a reader needs in one place.)
 """
 
 from __future__ import annotations
