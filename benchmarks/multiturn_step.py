@@ -22,18 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from turn_cache import cpu  # benchmarks/turn_cache.py: lscpu model name and bf16 flag
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def cpu() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown CPU"
-    name = next(
-        (line.split(":", 1)[1].strip() for line in text.splitlines() if "Model name" in line), "?"
-    )
-    return f"{name} ({'avx512_bf16' if 'avx512_bf16' in text else 'no avx512_bf16'})"
 
 
 def run(config: str, cache: bool, steps: int, out: Path) -> dict[str, float]:
