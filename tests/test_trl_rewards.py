@@ -19,21 +19,10 @@ from rlvr.records import Task, Trajectory
 from rlvr.rollout.engine import rollout_groups
 from rlvr.rollout.generator import SamplingParams
 from rlvr.verifiers import RewardFunction, Rubric
+from test_verifiers import make_trajectory  # the shared one-turn trajectory builder
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-
-
-def make_trajectory(text: str, task_id: str) -> Trajectory:
-    return Trajectory(
-        task_id=task_id,
-        token_ids=(1, 2, 3),
-        policy_mask=(0, 1, 1),
-        logprobs=(0.0, -0.5, -0.7),
-        prompt_length=1,
-        completion_text=text,
-        finish_reason="stop",
-    )
 
 
 def make_task(task_id: str, **fields: Any) -> Task:
