@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rlvr.envs.check import check_env
 from rlvr.models import eos_token_ids, load_policy, tiny_tokenizer
 from rlvr.observe.inspect import TRAINED_CLOSE, TRAINED_OPEN
 from rlvr.rollout.hf import HFGenerator
+from test_tool_formats import family_tokenizer
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TRAINED = re.compile(re.escape(TRAINED_OPEN) + r"(.*?)" + re.escape(TRAINED_CLOSE), re.DOTALL)
@@ -151,3 +154,62 @@ def test_a_plain_user_env_with_random_text_and_an_env_error(tmp_path: Path) -> N
     assert "reward parts: spoke=1" in turn1 and "info: state_key=1" in turn1
     assert "finish error, 2 turns" in out
     assert problems == 1 and "PROBLEM: the env failed: KeyError: 'lost the state'" in out
+
+
+DEMO_EXPRESSION = '{"expression": "12 * 14"}'  # the calculator's worked example, in Hermes
+
+
+@pytest.mark.parametrize(
+    ("folder", "name", "call_start", "demo"),
+    [
+        (
+            "llama3",
+            "llama3_json",
+            '{"name": "calculator", "parameters": {',
+            f'{{"name": "calculator", "parameters": {DEMO_EXPRESSION}}}<|eot_id|>',
+        ),
+        (
+            "mistral",
+            "mistral",
+            '[TOOL_CALLS][{"name": "calculator", "arguments": {',
+            f'[TOOL_CALLS][{{"name": "calculator", "arguments": {DEMO_EXPRESSION}, "id": "demo00001"}}]',
+        ),
+        (
+            "qwen3",
+            "qwen3",
+            '<tool_call>\n{"name": "calculator", "arguments": {',
+            f'<tool_call>\n{{"name": "calculator", "arguments": {DEMO_EXPRESSION}}}\n</tool_call>',
+        ),
+    ],
+)
+def test_the_chosen_tool_call_format_is_shown_and_spoken(
+    folder: str, name: str, call_start: str, demo: str
+) -> None:
+    """With each family's real template (tests/data/tokenizers/): the format detected is printed, the
+    random policy writes its call in it, the env reads it, and the calculator's Hermes-written
+    demonstration reaches the prompt in the family's own format."""
+    problems, out = run_check("calculator", tokenizer=family_tokenizer(folder), episodes=1)
+    assert problems == 0, out
+    assert f"tool-call format: {name} (auto: detected from the chat template" in out
+    turn1 = out.split("--- turn 1:")[1].split("--- turn 2:")[0]
+    assert TRAINED.findall(turn1)[0].startswith(call_start)
+    assert "info: tool_calls=1" in turn1
+    assert demo in out.split("--- rendered prompt")[1].split("--- turn 1")[0]
+    forced = run_check("calculator", tokenizer=tiny_tokenizer(), episodes=1, tool_format=name)[1]
+    assert f"tool-call format: {name} (set by --tool-format / rollout.tool_format" in forced
+
+
+def test_cli_scripted_hermes_calls_are_rewritten_for_a_tokenizer_folder(tmp_path: Path) -> None:
+    shutil.copy(EXAMPLES / "unit_converter_env.py", tmp_path / "my_env.py")
+    mistral = Path(__file__).resolve().parent / "data" / "tokenizers" / "mistral"
+    proc = rlvr("env", "check", "my_env.py:UnitConverterFamily", "--tokenizer", str(mistral),
+                "--episodes", "1", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert "tool-call format: mistral (auto" in proc.stdout
+    turn1 = proc.stdout.split("--- turn 1:")[1].split("--- turn 2:")[0]
+    assert TRAINED.findall(turn1)[0].startswith('[TOOL_CALLS][{"name": "convert"')
+    assert '[TOOL_RESULTS]{"content": ' in masked_only(turn1) and '"call_id": "call00001"}' in turn1
+    bad = rlvr(
+        "env", "check", "my_env.py:UnitConverterFamily", "--tool-format", "gemma", cwd=tmp_path
+    )
+    assert bad.returncode == 2 and "--tool-format 'gemma'" in bad.stderr

@@ -109,16 +109,30 @@ def by_marker(scripts: Mapping[str, Sequence[str]]) -> Script:
     return pick
 
 
+def chatml_turn(prompt: str) -> int:
+    """The index of the assistant turn a ChatML prompt asks for (its openings so far, minus one)."""
+    return prompt.count("<|im_start|>assistant") - 1
+
+
 class ScriptedGenerator:
-    """Returns `sampling.n` completions per prompt: ids of the scripted text + <|im_end|>.
+    """Returns `sampling.n` completions per prompt: ids of the scripted text + `eos` (<|im_end|>).
 
     Like a real generator it stops at `sampling.max_new_tokens` (finish "length"). Every call's
-    prompts and sampling params are recorded.
+    prompts and sampling params are recorded. Other tokenizers (tests/test_tool_formats.py) pass
+    their own `eos` id and `turn_of` (the turn index a decoded prompt asks for).
     """
 
-    def __init__(self, tokenizer: Any, script: Script) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        script: Script,
+        eos: int = EOS,
+        turn_of: Callable[[str], int] = chatml_turn,
+    ) -> None:
         self.tok = tokenizer
         self.script = script
+        self.eos = eos
+        self.turn_of = turn_of
         self.calls: list[tuple[list[list[int]], SamplingParams]] = []
 
     def generate(
@@ -128,10 +142,10 @@ class ScriptedGenerator:
         out = []
         for prompt in prompts:
             text = str(self.tok.decode(list(prompt)))
-            turn = text.count("<|im_start|>assistant") - 1
+            turn = self.turn_of(text)
             row = []
             for j in range(sampling.n):
-                token_ids = [*ids(self.script(text, turn, j), self.tok), EOS]
+                token_ids = [*ids(self.script(text, turn, j), self.tok), self.eos]
                 finish = "stop"
                 if len(token_ids) > sampling.max_new_tokens:
                     token_ids, finish = token_ids[: sampling.max_new_tokens], "length"

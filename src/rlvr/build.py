@@ -141,4 +141,5 @@ def rollout_limits(cfg: RunConfig) -> RolloutLimits:
         tool_timeout_s=r.tool_timeout_s,
         max_tool_calls_per_turn=r.max_tool_calls_per_turn,
         env_workers=r.env_workers,
+        tool_format=r.tool_format,
     )

@@ -347,10 +347,17 @@ def env_check_command(
     color: Annotated[
         bool, typer.Option("--color", help="Trained tokens in green instead of [[...]].")
     ] = False,
+    tool_format: Annotated[
+        str,
+        typer.Option(
+            "--tool-format",
+            help="Tool-call format: auto (the chat template's), hermes, qwen3, llama3_json, mistral.",
+        ),
+    ] = "auto",
 ) -> None:
     """Play a few episodes (scripted, random or --model policy) and print, per turn, the rendered
-    chat template, the tool schemas as the model sees them, trained vs masked tokens and the reward
-    parts. Exits 1 when a mask or template invariant is broken."""
+    chat template, the tool schemas and tool-call format as the model sees them, trained vs masked
+    tokens and the reward parts. Exits 1 when a mask or template invariant is broken."""
     import yaml
 
     from rlvr.errors import ConfigError
@@ -363,7 +370,12 @@ def env_check_command(
         options[key.strip()] = yaml.safe_load(value)
     _quiet_libraries()
     from rlvr.envs.check import check_env
+    from rlvr.envs.tool_formats import TOOL_FORMATS
     from rlvr.models import eos_token_ids, load_policy, load_tokenizer, resolve_model_path
+
+    if tool_format != "auto" and tool_format not in TOOL_FORMATS:
+        known = ", ".join(["auto", *TOOL_FORMATS])
+        raise ConfigError(f"--tool-format '{tool_format}': expected one of {known}")
 
     generator = None
     if model is not None:
@@ -373,6 +385,8 @@ def env_check_command(
         tok = policy.tokenizer
         eos = eos_token_ids(policy.model, tok)
         generator = HFGenerator(policy.model, tok, eos, seed=seed, autocast_bf16=False)
+    elif (Path(tokenizer) / "tokenizer_config.json").is_file():  # a tokenizer folder, no model
+        tok = load_tokenizer(tokenizer)
     else:
         tok = load_tokenizer(resolve_model_path(tokenizer))
     problems = check_env(
@@ -384,10 +398,83 @@ def env_check_command(
         generator=generator,
         max_new_tokens=max_new_tokens,
         max_turns=max_turns,
+        tool_format=tool_format,
         colour=color,
     )
     if problems:
         raise typer.Exit(1)
+
+
+@env_app.command("demos")
+def env_demos_command(
+    target: Annotated[
+        str,
+        typer.Argument(
+            help="A built-in env name, FILE.py:Family, or an RL config YAML (its env, train split "
+            "and rollout limits)."
+        ),
+    ],
+    output: Annotated[Path, typer.Option("-o", "--output", help="The JSONL file to write.")],
+    episodes: Annotated[int, typer.Option("--episodes", help="Demonstrations to play.")] = 160,
+    policy: Annotated[
+        str,
+        typer.Option(
+            "--policy",
+            help="random: random legal actions (teaches the format, not the task); scripted: the "
+            "env's solver (behaviour cloning: teaches the task).",
+        ),
+    ] = "random",
+    seed: Annotated[
+        int, typer.Option("--seed", help="Which instances, and the random choices.")
+    ] = 0,
+    max_turns: Annotated[
+        int | None, typer.Option("--max-turns", help="Turn cap (default: the config's / env's).")
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Config override, e.g. task.env.options.size=5 (repeatable)."),
+    ] = None,
+    tokenizer: Annotated[
+        str,
+        typer.Option(
+            "--tokenizer", help="The chat template the rows must match (the SFT model's)."
+        ),
+    ] = "smollm2-135m-instruct",
+) -> None:
+    """Play episodes of an env's TRAIN split (never a held-out instance) through the rollout engine
+    and write them as SFT chat rows {"messages": [...]}, exactly the conversation RL shows: a format
+    warm-up before RL (rlvr.envs.demos)."""
+    from rlvr.errors import ConfigError
+
+    if policy not in ("random", "scripted"):
+        raise ConfigError(f"--policy '{policy}': expected random or scripted")
+    if episodes < 1:
+        raise ConfigError(f"--episodes {episodes}: expected at least 1")
+    _quiet_libraries()
+    from rlvr.envs.demos import demo_config, play_demos, write_rows
+    from rlvr.models import load_tokenizer, resolve_model_path
+
+    cfg, config_dir = demo_config(target, list(set_ or []))
+    demos = play_demos(
+        cfg,
+        tokenizer=load_tokenizer(resolve_model_path(tokenizer)),
+        episodes=episodes,
+        policy="scripted" if policy == "scripted" else "random",
+        seed=seed,
+        max_turns=max_turns,
+        config_dir=config_dir,
+    )
+    if not demos.rows:
+        raise ConfigError("every demonstration was dropped (a first turn cut by a token limit)")
+    write_rows(demos.rows, output)
+    teaches = "the format only, not the task" if policy == "random" else "the task (a solver)"
+    print(
+        f"wrote {len(demos.rows)} demonstrations of env {demos.env} to {output} (policy {policy}: "
+        f"teaches {teaches}), drawn from {demos.train_instances} train instances; "
+        f"success {demos.success_rate:.1%}, {demos.mean_turns:.1f} turns each; "
+        f"{demos.trimmed} ended before a turn cut by the token budget, "
+        f"{demos.dropped_cut + demos.dropped_error} dropped"
+    )
 
 
 runs_app = typer.Typer(help="Work with several run directories.", no_args_is_help=True)

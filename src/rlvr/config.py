@@ -118,6 +118,12 @@ class RolloutConfig(_Section):
     )
     tool_timeout_s: float = Field(5.0, gt=0.0, description="Wall-clock limit per tool call.")
     max_tool_calls_per_turn: int = Field(4, ge=1)
+    tool_format: Literal["auto", "hermes", "qwen3", "llama3_json", "mistral"] = Field(
+        "auto",
+        description="How tool calls are written and read (docs/envs.md, Tool-call formats): auto = "
+        "the chat template's own (Mistral's [TOOL_CALLS], Llama 3.x's JSON turn, Qwen3's "
+        "<tool_call> outside <think>, else Hermes <tool_call>); a name forces that format.",
+    )
     env_workers: int = Field(
         4,
         ge=1,

@@ -19,6 +19,11 @@ and a later stage points at it with the string `{stage:NAME}` anywhere in its co
 teacher (`teacher_data:`) and fine-tunes the student on the samples (SFT); on-policy distillation is
 `kind: rl` with `algorithm: distill`.
 
+An `sft` stage may train on demonstrations played in an env instead of a data file (a format
+warm-up before RL, rlvr.envs.demos): `env_demos: {episodes: 160, policy: random}` plays the first
+RL stage's env on its train split (or `config: FILE.yaml`'s) and writes OUTPUT_DIR/<name>/demos.jsonl,
+the stage's data. `policy: random` teaches the answer format only; `scripted` clones a solver.
+
 Resumable: a finished stage (its DONE.json) is skipped, an interrupted one continues from its last
 checkpoint. With `eval.each_stage` every policy stage's model is scored on the first RL stage's
 held-out tasks, so the table shows what each stage bought.
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,6 +66,11 @@ class StageSpec(_Section):
         None,
         alias="from",
         description="Start from this stage's model instead of the previous policy.",
+    )
+    env_demos: dict[str, Any] = Field(
+        default_factory=dict,
+        description="kind sft: train on env demonstrations (rlvr.envs.demos.EnvDemosConfig: "
+        "episodes, policy random|scripted, seed, max_turns, config) instead of data.path.",
     )
 
 
@@ -100,6 +111,10 @@ class PipelineConfig(_Section):
                 )
             if stage.kind == "distill" and not stage.teacher_data:
                 raise ValueError(f"stage '{stage.name}': kind distill needs teacher_data")
+            if stage.env_demos and stage.kind != "sft":
+                raise ValueError(f"stage '{stage.name}': env_demos is for kind sft")
+            if stage.env_demos and (stage.config.get("data") or {}).get("path"):
+                raise ValueError(f"stage '{stage.name}': env_demos replaces data.path; set one")
         return self
 
 
@@ -194,8 +209,10 @@ def _run_stage(
     stage_dir: Path,
     base: Path,
     models: dict[str, Path],
+    first_rl: RunConfig | None = None,
 ) -> tuple[Path, dict[str, float], RunConfig | None]:
-    """Run one stage (resuming when it was interrupted); returns (model dir, final metrics, RL cfg)."""
+    """Run one stage (resuming when it was interrupted); returns (model dir, final metrics, RL cfg).
+    `first_rl`: the pipeline's first RL stage config, whose env an `env_demos` stage plays."""
     from rlvr.offline.common import StageResult
 
     data = _substitute(_stage_data(stage, base), models)
@@ -237,6 +254,21 @@ def _run_stage(
 
     data = _absolute_data_paths(data, base)
     result: StageResult
+    demo_metrics: dict[str, float] = {}
+    if stage.kind == "sft" and stage.env_demos:
+        from rlvr.envs.demos import EnvDemosConfig, demos_for_stage
+        from rlvr.models import load_tokenizer, resolve_model_path
+
+        demos_file = stage_dir / "demos.jsonl"
+        demos = demos_for_stage(  # deterministic: a resumed stage rewrites the same rows
+            validated(EnvDemosConfig, stage.env_demos),
+            first_rl,
+            tokenizer=load_tokenizer(resolve_model_path(str(start_model))),
+            config_dir=base,
+            out=demos_file,
+        )
+        demo_metrics = demos.summary()
+        data["data"] = {**(data.get("data") or {}), "path": str(demos_file)}
     if stage.kind == "sft":
         from rlvr.offline.sft import train_sft
 
@@ -262,7 +294,7 @@ def _run_stage(
         sft = {**data, "output_dir": str(stage_dir / "sft")}
         sft["data"] = {**(sft.get("data") or {}), "path": str(samples)}
         result = train_sft(validated(SFTConfig, sft), resume=True)
-    return result.model_dir, dict(result.metrics), None
+    return result.model_dir, {**demo_metrics, **result.metrics}, None
 
 
 def check_stages(cfg: PipelineConfig, base: Path) -> None:
@@ -290,6 +322,14 @@ def check_stages(cfg: PipelineConfig, base: Path) -> None:
                     "output_path": "x.jsonl",
                 }
                 DistillDataConfig.model_validate(teacher)
+            if stage.env_demos:
+                from rlvr.envs.demos import EnvDemosConfig
+
+                demos = EnvDemosConfig.model_validate(stage.env_demos)
+                if demos.config is None and not any(s.kind == "rl" for s in cfg.stages):
+                    raise ConfigError(
+                        f"{where}: env_demos needs `config:` (an RL config YAML) or an RL stage"
+                    )
         except ValidationError as err:
             raise ConfigError(_format_validation_error(err, where)) from None
 
@@ -299,15 +339,24 @@ def _without_placeholders(value: Any) -> Any:
 
 
 def run_pipeline(
-    cfg: PipelineConfig, *, config_dir: Path | None = None, echo: Any = print
+    cfg: PipelineConfig,
+    *,
+    config_dir: Path | None = None,
+    echo: Any = print,
+    stop_before: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run every stage in order; returns one summary row per stage (and one for the start model).
+    `stop_before`: run only the stages before this one (a rerun continues from there); the
+    efficacy benchmark times a warm-up apart from the RL after it this way.
 
-    Rows: {stage, kind, model_dir, metrics, heldout_accuracy (when evaluated)}; also written to
+    Rows: {stage, kind, model_dir, metrics, wall_minutes (training, evals excluded),
+    heldout_accuracy (when evaluated)}; also written to
     OUTPUT_DIR/pipeline.json after each stage.
     """
     base = (config_dir or Path.cwd()).resolve()
     check_stages(cfg, base)
+    if stop_before is not None and stop_before not in [s.name for s in cfg.stages]:
+        raise ConfigError(f"stop_before '{stop_before}' is not a stage of this pipeline")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pipeline.yaml").write_text(
@@ -318,7 +367,7 @@ def run_pipeline(
         json.loads(summary_file.read_text()) if summary_file.exists() else []
     )
     done_rows = {r["stage"]: r for r in rows}
-    eval_cfg = _first_rl_config(cfg, base)
+    eval_cfg = first_rl_config(cfg, base)
     models: dict[str, Path] = {}
     current: Path | str = cfg.model
 
@@ -338,6 +387,8 @@ def run_pipeline(
         rows.append(row)
         summary_file.write_text(json.dumps(rows, indent=1))
     for stage in cfg.stages:
+        if stage.name == stop_before:
+            break
         stage_dir = out / stage.name
         start = models[stage.from_] if stage.from_ is not None else current
         marker = stage_dir / DONE_FILE
@@ -347,12 +398,14 @@ def run_pipeline(
             echo(f"[{stage.name}] done earlier: {model_dir}")
         else:
             echo(f"[{stage.name}] {stage.kind} from {start}")
-            model_dir, metrics, _ = _run_stage(stage, start, stage_dir, base, models)
+            started = time.time()
+            model_dir, metrics, _ = _run_stage(stage, start, stage_dir, base, models, eval_cfg)
             row = {
                 "stage": stage.name,
                 "kind": stage.kind,
                 "model_dir": str(model_dir),
                 "metrics": metrics,
+                "wall_minutes": (time.time() - started) / 60,  # this run's part (a resume's only)
             }
             if stage.kind != "reward_model":
                 row["heldout_accuracy"] = heldout(model_dir)
@@ -365,7 +418,7 @@ def run_pipeline(
     return rows
 
 
-def _first_rl_config(cfg: PipelineConfig, base: Path) -> RunConfig | None:
+def first_rl_config(cfg: PipelineConfig, base: Path) -> RunConfig | None:
     """The first RL stage's config (its tasks and rewards score every stage), or None."""
     for stage in cfg.stages:
         if stage.kind == "rl":

@@ -13,6 +13,9 @@ iff the chosen arm has the higher expected value; `payout` (weight 0, logged) th
 expected value divided by the better arm's, in [0, 1]; `invalid_action` 1.0 (weight -0.1) when the
 answer is missing or names no arm. The episode always ends after the one turn; no payout is sampled,
 so the reward is deterministic.
+
+Demonstration policies (rlvr.envs.demos): `random_action` names one of the two arms at random (a
+format warm-up: right half the time); `scripted_action` names the better arm (behaviour cloning).
 """
 
 from __future__ import annotations
@@ -23,7 +26,15 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from rlvr.envs.base import Env, EnvFamily, EnvOptions, EnvReset, EnvStep, register_env
+from rlvr.envs.base import (
+    Env,
+    EnvFamily,
+    EnvOptions,
+    EnvReset,
+    EnvStep,
+    Message,
+    register_env,
+)
 from rlvr.errors import ConfigError
 from rlvr.records import Task
 from rlvr.verifiers.builtin import extract_tagged
@@ -166,3 +177,11 @@ class BanditFamily(EnvFamily):
 
     def make(self, task: Task) -> Env:
         return BanditEnv(task)
+
+    def random_action(self, task: Task, messages: list[Message], rng: random.Random) -> str:
+        """One of the two arms' names, chosen blindly."""
+        return f"<answer>{rng.choice(task.fields['arms'])['name']}</answer>"
+
+    def scripted_action(self, task: Task, messages: list[Message]) -> str:
+        """The arm with the higher expected payout."""
+        return f"<answer>{max(task.fields['arms'], key=expected_value)['name']}</answer>"

@@ -10,19 +10,26 @@ turn without one is the final answer, checked against the exact value (`<answer>
 last number in the turn). Reward parts: `success` (1.0 for the exact answer), `format` (1.0 when the
 final answer is in an answer tag; weight 0.1), `used_tool` (1.0 when at least one call returned a
 result; weight 0: logged, not optimised, so the policy is paid for answers, not for calling).
+
+Demonstration policy (rlvr.envs.demos): `random_action` calls the calculator on two numbers of the
+question joined by a random operator, then answers the tool's result: the call and answer formats
+and the protocol, with the operation chosen blindly (a format warm-up). No scripted policy: a task
+stores its answer, not the expression.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import random
+import re
 from collections.abc import Callable
 from fractions import Fraction
 from typing import ClassVar
 
 from pydantic import Field
 
-from rlvr.envs.base import EnvFamily, EnvOptions, EnvReset, EnvStep, register_env
+from rlvr.envs.base import EnvFamily, EnvOptions, EnvReset, EnvStep, Message, register_env
 from rlvr.envs.tools import Tool, ToolEnv
 from rlvr.records import Task
 from rlvr.verifiers.builtin import extract_last_number, extract_tagged
@@ -216,3 +223,18 @@ class CalculatorFamily(EnvFamily):
 
     def make(self, task: Task) -> CalculatorEnv:
         return CalculatorEnv(task)
+
+    def random_action(self, task: Task, messages: list[Message], rng: random.Random) -> str:
+        """First turn: a calculator call on two of the question's numbers with a random operator
+        (Hermes format, as the prompt's demonstration); then the answer tag around the tool's
+        last result (a random number of the question when the call failed)."""
+        numbers = re.findall(r"\d+", str(task.messages[-1]["content"]))
+        if not any(m.get("role") == "assistant" for m in messages):
+            a, b = rng.sample(numbers, 2)  # every question has two or three numbers
+            expression = f"{a} {rng.choice('+-*')} {b}"
+            call = {"name": "calculator", "arguments": {"expression": expression}}
+            return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+        result = str(messages[-1].get("content", "")).strip() if messages else ""
+        if not re.fullmatch(r"-?\d+(\.\d+)?", result):
+            result = rng.choice(numbers or ["0"])
+        return f"<answer>{result}</answer>"

@@ -11,6 +11,9 @@ The policy is, in order of preference: a model (`--model`, sampled at temperatur
 conversation after the opening, assistant turns and observations) (a solver, so an author sees the
 successful path); else a random policy (a tool env gets a call to one of its tools with random
 arguments of the schema's types, then a random `<answer>`; any other env random words and numbers).
+Calls are written in the tool-call format the engine reads for this tokenizer (`--tool-format`, auto
+= the chat template's; envs/tool_formats.py), shown with the tools: a scripted action's Hermes
+`<tool_call>` blocks are rewritten into that format, so one scripted solver serves every family.
 
 After each episode a few invariants are checked (every sampled token trained, every observation
 masked and present in the tokens, every tool named in the prompt, no env error); a failed one is
@@ -21,12 +24,18 @@ from __future__ import annotations
 
 import json
 import random
-import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rlvr.envs.base import Env, EnvFamily, EnvReset, EnvStep, Message, get_env_family
+from rlvr.envs.tool_formats import (
+    HERMES,
+    ToolCall,
+    ToolFormat,
+    from_hermes,
+    resolve_tool_format,
+)
 from rlvr.envs.tools import Tool
 from rlvr.observe.inspect import marked_text, trajectory_rows
 from rlvr.records import Task, Trajectory
@@ -36,14 +45,14 @@ from rlvr.rollout.generator import Completion, Generator, SamplingParams
 
 Policy = Callable[[Task, list[Message]], str]
 
-TOOL_CALL_FORMAT = (
-    '<tool_call>\n{"name": "<tool name>", "arguments": {<arguments as JSON>}}\n</tool_call>'
-)
 _WORDS = (
     "yes", "no", "Up", "Left", "42", "7", "the", "answer", "is", "3 + 4",
     "<answer>5</answer>", "<answer>Right</answer>", "<answer>Down</answer>",
 )  # fmt: skip
 _STRINGS = ("3 + 4", "km", "apple", "hello", "42", "")
+
+
+_FORWARDED = ("timeout_s", "max_calls_per_turn", "tool_format")
 
 
 @dataclass
@@ -62,12 +71,12 @@ class _Recorder(Env):
         self.messages: list[Message] = []  # after the opening: assistant turns and observations
         self.turns: list[_Turn] = []
         self.tools: list[dict[str, Any]] = []
-        for limit in ("timeout_s", "max_calls_per_turn"):
+        for limit in _FORWARDED:
             if hasattr(env, limit):
                 setattr(self, limit, getattr(env, limit))
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("timeout_s", "max_calls_per_turn"):  # the engine's limits reach the real env
+        if name in _FORWARDED:  # the engine's limits and tool format reach the real env
             setattr(self.env, name, value)
         object.__setattr__(self, name, value)
 
@@ -131,9 +140,10 @@ def _random_value(schema: Mapping[str, Any], rng: random.Random) -> Any:
     return rng.choice(_STRINGS)
 
 
-def random_policy(tools: Sequence[Tool], seed: int) -> Policy:
-    """Random valid actions: for a tool env, one call with random arguments of the right JSON types
-    on the first turn, then a random `<answer>`; otherwise a few random words and numbers."""
+def random_policy(tools: Sequence[Tool], seed: int, tool_format: ToolFormat = HERMES) -> Policy:
+    """Random valid actions: for a tool env, one call (written in `tool_format`) with random
+    arguments of the right JSON types on the first turn, then a random `<answer>`; otherwise a few
+    random words and numbers."""
     rng = random.Random(seed)
 
     def act(task: Task, messages: list[Message]) -> str:
@@ -146,13 +156,24 @@ def random_policy(tools: Sequence[Tool], seed: int) -> Policy:
                 for name, spec in params.get("properties", {}).items()
                 if name in required or rng.random() < 0.5
             }
-            call = json.dumps({"name": tool.name, "arguments": arguments})
-            return f"<tool_call>\n{call}\n</tool_call>"
+            return tool_format.render_calls([ToolCall(tool.name, arguments)])
         if tools:
             return f"<answer>{rng.randint(0, 1000)}</answer>"
         return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 5)))
 
     return act
+
+
+def _describe_format(tool_format: ToolFormat, choice: str) -> list[str]:
+    how = (
+        "auto: detected from the chat template"
+        if choice == "auto"
+        else "set by --tool-format / rollout.tool_format"
+    )
+    return [
+        f"tool-call format: {tool_format.name} ({how}; envs/tool_formats.py reads the calls):",
+        f"  {tool_format.call_syntax}".replace("\n", "\n  "),
+    ]
 
 
 def _describe_tools(tokenizer: Any, schemas: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -168,12 +189,15 @@ def _describe_tools(tokenizer: Any, schemas: Sequence[Mapping[str, Any]]) -> lis
     )
     lines = [f"tool schemas ({len(schemas)}), {where}"]
     lines += [f"  {json.dumps(dict(s))}" for s in schemas]
-    lines.append(
-        "tool-call format (parsed by rlvr.envs.tools.parse_tool_calls):\n"
-        + textwrap.indent(TOOL_CALL_FORMAT, "  ")
-    )
     lines.append('tool results come back as {"role": "tool"} messages: observations, masked')
     return lines
+
+
+def _scripted_in(scripted: Policy, tool_format: ToolFormat) -> Policy:
+    def act(task: Task, messages: list[Message]) -> str:
+        return from_hermes(scripted(task, messages), tool_format)
+
+    return act
 
 
 def _fmt(value: Any) -> str:
@@ -222,6 +246,7 @@ def check_env(
     max_new_tokens: int = 256,
     max_turns: int | None = None,
     max_total_tokens: int = 2048,
+    tool_format: str = "auto",
     colour: bool = False,
     write: Callable[[str], None] = print,
 ) -> int:
@@ -230,6 +255,7 @@ def check_env(
     scripted = getattr(family, "scripted_action", None)
     weights = {**family.reward_weights}
     weights.setdefault(family.success_metric, 1.0)
+    call_format = resolve_tool_format(tool_format, tokenizer)
     problems_total = 0
     write(f"env {family.name} ({type(family).__name__}) options {family.options.model_dump()}")
     policy_kind = "model" if generator else "scripted" if callable(scripted) else "random"
@@ -240,11 +266,16 @@ def check_env(
         recorder = _Recorder(family.make(task))
         tool_objects = [t for t in getattr(recorder.env, "tools", []) if isinstance(t, Tool)]
         policy: Policy = (
-            scripted if callable(scripted) else random_policy(tool_objects, seed + episode)
+            _scripted_in(scripted, call_format)
+            if callable(scripted)
+            else random_policy(tool_objects, seed + episode, call_format)
         )
         engine_generator = generator or _PolicyGenerator(policy, tokenizer, task, recorder)
         limits = RolloutLimits(
-            max_turns=max_turns, max_total_tokens=max_total_tokens, env_workers=1
+            max_turns=max_turns,
+            max_total_tokens=max_total_tokens,
+            env_workers=1,
+            tool_format=call_format.name,
         )
 
         def make_env(_task: Task, recorder: _Recorder = recorder) -> Env:
@@ -270,6 +301,9 @@ def check_env(
         if episode == 0:
             for line in _describe_tools(tokenizer, recorder.tools):
                 write(line)
+            if recorder.tools:
+                for line in _describe_format(call_format, tool_format):
+                    write(line)
         write(f"--- rendered prompt ({traj.prompt_length} tokens, masked):")
         write(prompt)
         problems = _problems(traj, recorder, prompt)

@@ -12,6 +12,10 @@ from the last `<answer>...</answer>` and checked by a small parser that walks th
 expression (never `eval`). Reward parts: `success` (the expression is valid, uses the right numbers
 and equals the target) and `format` (a parseable expression was given; weight 0.1, like TinyZero's
 format score, earned at most once per episode). A wrong answer gets feedback and one more try.
+
+Demonstration policies (rlvr.envs.demos): `random_action` answers a random expression that uses
+each number once with random operators and grouping (valid, rarely the target: a format warm-up);
+`scripted_action` answers the expression the generator built (behaviour cloning).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from rlvr.envs.base import (
     Env,
     EnvFamily,
     EnvOptions,
+    Message,
     register_env,
 )
 from rlvr.errors import ConfigError
@@ -189,6 +194,28 @@ class CountdownFamily(EnvFamily):
     def make(self, task: Task) -> Env:
         f = task.fields
         return CountdownEnv(task, list(f["numbers"]), int(f["target"]), bool(f["use_all"]))
+
+    def random_action(self, task: Task, messages: list[Message], rng: random.Random) -> str:
+        """Every number once, in a random order, joined by random operators in a random tree; a
+        tree that divides by zero is redrawn (after 20 tries, a sum)."""
+        numbers = [str(n) for n in task.fields["numbers"]]
+        for _ in range(20):
+            items = rng.sample(numbers, len(numbers))
+            while len(items) > 1:
+                left = items.pop(rng.randrange(len(items)))
+                right = items.pop(rng.randrange(len(items)))
+                items.append(f"({left} {rng.choice('+-*/')} {right})")
+            expression = items[0][1:-1] if len(numbers) > 1 else items[0]
+            try:
+                parse_expression(expression)
+            except ExpressionError:
+                continue
+            return f"<answer>{expression}</answer>"
+        return f"<answer>{' + '.join(numbers)}</answer>"
+
+    def scripted_action(self, task: Task, messages: list[Message]) -> str:
+        """The generator's own expression (`fields["solution"]`)."""
+        return f"<answer>{task.fields['solution']}</answer>"
 
 
 def make_task(numbers: list[int], target: int, use_all: bool = True, solution: str = "") -> Task:

@@ -19,6 +19,10 @@ engine): the G episodes of a group slip differently, and a replayed or resumed r
 Instances: start and goal are two random cells, every other cell is a hole with probability
 `hole_fraction`; the map is redrawn from the same rng until BFS finds a path of 2 to max_turns - 2
 moves, so every instance is solvable without slips within the env's turn cap.
+
+Demonstration policies (rlvr.envs.demos): `random_action` answers one of the four moves uniformly
+(well formed, chosen blindly: a format warm-up); `scripted_action` walks a shortest safe path from
+where the newest observation shows the player (behaviour cloning: it teaches the task).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from rlvr.envs.base import (
     Env,
     EnvFamily,
     EnvOptions,
+    Message,
     register_env,
 )
 from rlvr.envs.gym_adapter import GymEnv, GymSpec, InvalidAction
@@ -88,6 +93,23 @@ def solve_frozenlake(rows: Sequence[str]) -> list[str] | None:
                 came[nxt] = (cell, move)
                 queue.append(nxt)
     return None
+
+
+def latest_grid(task: Task, messages: Sequence[Message], alphabet: str) -> list[str]:
+    """The newest grid drawn in the conversation (the last observation showing one, else the task's
+    prompt), as rows without their spaces: a grid line is two or more single cells of `alphabet`
+    separated by spaces, which no narration or instruction line is."""
+    for message in [*task.messages, *messages][::-1]:
+        if message.get("role") == "assistant":
+            continue
+        rows = [
+            line.replace(" ", "")
+            for line in str(message.get("content", "")).splitlines()
+            if len(cells := line.split()) >= 2 and all(len(c) == 1 and c in alphabet for c in cells)
+        ]
+        if rows:
+            return rows
+    raise ValueError(f"no grid of {alphabet!r} in the conversation of task {task.id}")
 
 
 def render_lake(rows: Sequence[str], player: Cell) -> str:
@@ -258,6 +280,16 @@ class FrozenLakeFamily(EnvFamily):
         raise ConfigError(
             f"frozenlake: no solvable lake found for seed {seed}; lower task.env.options.hole_fraction"
         )
+
+    def random_action(self, task: Task, messages: list[Message], rng: random.Random) -> str:
+        """A well-formed move chosen uniformly: teaches the answer format, not where to go."""
+        return f"<answer>{rng.choice(list(MOVES))}</answer>"
+
+    def scripted_action(self, task: Task, messages: list[Message]) -> str:
+        """The first move of a shortest safe path from the player's cell in the newest lake shown
+        (replanned every turn, so slips are followed); "Up" when no path is left."""
+        path = solve_frozenlake(latest_grid(task, messages, "PFHG"))
+        return f"<answer>{path[0] if path else 'Up'}</answer>"
 
     def make(self, task: Task) -> Env:
         """A fresh env; its slips are seeded by the task id and the episode's `episode_index`."""

@@ -16,6 +16,9 @@ gym-sokoban): random inner walls (keeping the floor connected), boxes placed on 
 reverse moves in which the player walks and sometimes pulls a box. Levels that start solved are
 rejected, and a BFS solver over (player, boxes) states with a node cap checks that a solution of at
 most max_turns // 2 moves exists, so the turn cap leaves room for mistakes.
+
+Demonstration policies (rlvr.envs.demos): `random_action` answers one of the four moves uniformly
+(a format warm-up); `scripted_action` plays the BFS solver's next move (behaviour cloning).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from rlvr.envs.base import (
     Message,
     register_env,
 )
-from rlvr.envs.frozenlake import ANSWER_FORMAT, MOVES, Cell, parse_move
+from rlvr.envs.frozenlake import ANSWER_FORMAT, MOVES, Cell, latest_grid, parse_move
 from rlvr.errors import ConfigError
 from rlvr.records import Task
 
@@ -250,6 +253,16 @@ class SokobanFamily(EnvFamily):
             if solution is not None and len(solution) <= longest:
                 return make_task(rows)
         raise ConfigError(f"sokoban: no level found for seed {seed}; change task.env.options")
+
+    def random_action(self, task: Task, messages: list[Message], rng: random.Random) -> str:
+        """A well-formed move chosen uniformly: teaches the answer format, not the puzzle."""
+        return f"<answer>{rng.choice(list(MOVES))}</answer>"
+
+    def scripted_action(self, task: Task, messages: list[Message]) -> str:
+        """The solver's first move from the newest room shown; "Up" when the level is lost (a box
+        in a corner) or the solver's node cap is reached."""
+        path = solve_sokoban(latest_grid(task, messages, "#_OX√PS"))
+        return f"<answer>{path[0] if path else 'Up'}</answer>"
 
     def make(self, task: Task) -> Env:
         env = SokobanEnv(task)

@@ -11,6 +11,10 @@ The puzzle is shown with '.' for blanks, one row per line. The answer is the ful
 read). Reward parts: `success` (a valid grid that keeps every given digit) and `format` (a 16-digit
 grid was read; weight 0.1, earned at most once per episode). A wrong answer gets feedback naming what
 is wrong and one more try.
+
+Demonstration policies (rlvr.envs.demos): `random_action` answers the puzzle's givens with every
+blank filled by a random digit 1-4 (a well-formed grid, almost never a solution: a format warm-up);
+`scripted_action` answers the stored solution (behaviour cloning).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from rlvr.envs.base import (
     Env,
     EnvFamily,
     EnvOptions,
+    Message,
     register_env,
 )
 from rlvr.errors import ConfigError
@@ -158,7 +163,21 @@ class SudokuFamily(EnvFamily):
         raise ConfigError(f"sudoku: no puzzle with {opts.num_blanks} blanks for seed {seed}")
 
     def make(self, task: Task) -> Env:
-        return SudokuEnv(task, [0 if ch == "." else int(ch) for ch in task.fields["puzzle"]])
+        return SudokuEnv(task, puzzle_of(task))
+
+    def random_action(self, task: Task, messages: list[Message], rng: random.Random) -> str:
+        """The givens kept, each blank a random digit: the answer's format, not the logic."""
+        grid = [digit or rng.randint(1, 4) for digit in puzzle_of(task)]
+        return f"<answer>\n{render(grid)}\n</answer>"
+
+    def scripted_action(self, task: Task, messages: list[Message]) -> str:
+        """The stored solution (generated puzzles keep it in `fields["solution"]`)."""
+        return f"<answer>\n{render([int(ch) for ch in task.fields['solution']])}\n</answer>"
+
+
+def puzzle_of(task: Task) -> Grid:
+    """The task's puzzle as 16 cells, 0 for a blank."""
+    return [0 if ch == "." else int(ch) for ch in task.fields["puzzle"]]
 
 
 def make_task(puzzle: Grid, solution: Grid | None = None) -> Task:

@@ -2,7 +2,9 @@
 
 A tool is a function with type hints and a Google-style docstring; its JSON schema comes from
 `transformers.utils.get_json_schema` (the same schema `apply_chat_template(tools=...)` expects).
-Calls are parsed in the Hermes / Qwen format the chat templates use:
+Calls are parsed in the format of the model's family (rlvr.envs.tool_formats: Hermes / Qwen2.5,
+Qwen3, Llama 3.x JSON, Mistral), which the rollout engine picks from the chat template and sets on
+the env (`ToolEnv.tool_format`); Hermes by default:
 
     <tool_call>
     {"name": "calculator", "arguments": {"expression": "12 * 7"}}
@@ -17,10 +19,8 @@ subprocess sandbox, not here.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
-import re
 import threading
 import typing
 from abc import abstractmethod
@@ -31,8 +31,8 @@ from typing import Any
 from transformers.utils import get_json_schema
 
 from rlvr.envs.base import Env, EnvStep, Message
+from rlvr.envs.tool_formats import HERMES, ToolCall, ToolFormat
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _MAX_RESULT_CHARS = 4000
 
 ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "too_many_calls")
@@ -52,15 +52,6 @@ class Tool:
 
 
 @dataclass(frozen=True)
-class ToolCall:
-    """One parsed call, or the reason it could not be parsed (`error` set, `name` maybe empty)."""
-
-    name: str
-    arguments: dict[str, Any]
-    error: str | None = None
-
-
-@dataclass(frozen=True)
 class ToolResult:
     name: str
     content: str
@@ -68,33 +59,9 @@ class ToolResult:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every `<tool_call>` block in `text`, in order. An unterminated last block is parsed too (the
-    turn may have stopped on a stop string or the token limit)."""
-    calls: list[ToolCall] = []
-    for match in _TOOL_CALL.finditer(text):
-        body = match.group(1).strip()
-        try:
-            payload = json.loads(body)
-        except json.JSONDecodeError as err:
-            calls.append(ToolCall("", {}, f"malformed: tool call is not valid JSON ({err.msg})"))
-            continue
-        except (ValueError, RecursionError):  # absurd nesting or integer sizes from the model
-            calls.append(ToolCall("", {}, "malformed: tool call JSON is too deep or too large"))
-            continue
-        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-            calls.append(ToolCall("", {}, 'malformed: expected {"name": ..., "arguments": {...}}'))
-            continue
-        arguments = payload.get("arguments", payload.get("parameters", {}))
-        if isinstance(arguments, str):  # some models emit the arguments as a JSON string
-            with contextlib.suppress(ValueError, RecursionError):
-                arguments = json.loads(arguments)
-        if not isinstance(arguments, dict):
-            calls.append(
-                ToolCall(payload["name"], {}, "malformed: 'arguments' must be a JSON object")
-            )
-            continue
-        calls.append(ToolCall(payload["name"], arguments))
-    return calls
+    """Every `<tool_call>` block in `text`, in order (the Hermes format; an unterminated last block is
+    parsed too). Other families' formats: `rlvr.envs.tool_formats.TOOL_FORMATS[name].parse`."""
+    return HERMES.parse(text)
 
 
 def _type_ok(value: Any, annotation: Any) -> bool:
@@ -213,13 +180,17 @@ class ToolEnv(Env):
     """An env whose turns are either tool calls (run, results returned as "tool" messages) or a
     final answer (handed to `finish`). Subclasses give the tools and implement `finish`.
 
-    `timeout_s` and `max_calls_per_turn` are set by the rollout engine from the config
-    (`rollout.tool_timeout_s`, `rollout.max_tool_calls_per_turn`).
+    `timeout_s`, `max_calls_per_turn` and `tool_format` are set by the rollout engine from the
+    config (`rollout.tool_timeout_s`, `rollout.max_tool_calls_per_turn`, `rollout.tool_format`: the
+    chat template's own format unless overridden). `calls_made` numbers the episode's calls (the
+    ids of Mistral's results).
     """
 
     max_turns = 6
     timeout_s: float = 5.0
     max_calls_per_turn: int = 4
+    tool_format: ToolFormat = HERMES
+    calls_made: int = 0
 
     def __init__(self, tools: Sequence[Tool]) -> None:
         self.tools = list(tools)
@@ -233,13 +204,15 @@ class ToolEnv(Env):
         """Score a turn without tool calls (the final answer)."""
 
     def step(self, assistant_text: str) -> EnvStep:
-        calls = parse_tool_calls(assistant_text)
+        fmt = self.tool_format
+        calls = fmt.parse(assistant_text)
         if not calls:
             return self.finish(assistant_text)
         results = execute_calls(
             calls, self.tools, timeout_s=self.timeout_s, max_calls=self.max_calls_per_turn
         )
-        messages: list[Message] = [
-            {"role": "tool", "name": r.name or "unknown", "content": r.content} for r in results
-        ]
+        messages: list[Message] = []
+        for call, result in zip(calls, results, strict=True):
+            self.calls_made += 1
+            messages.append(fmt.result_message(result, fmt.call_id(call, self.calls_made)))
         return EnvStep(messages=messages, info=tool_info(results))

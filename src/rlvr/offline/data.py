@@ -2,7 +2,9 @@
 
 Row formats (a .jsonl/.json file, a `datasets.Dataset`, or a list of dicts; other keys are ignored):
 - chat (SFT): `{"messages": [{"role": ..., "content": ...}, ...]}`, or `{"prompt", "completion"}`
-  where each is a string (a user / an assistant message) or a list of messages;
+  where each is a string (a user / an assistant message) or a list of messages; a `messages` row
+  may say `"train_from": k`: assistant messages before index k are context, not trained (an
+  opening that carries a worked example, as `rlvr env demos` writes for the calculator env);
 - pair (DPO, reward model): `{"prompt", "chosen", "rejected"}`, each a string or messages; without
   `prompt`, chosen and rejected are whole conversations and their common leading messages are it.
 
@@ -224,10 +226,19 @@ def sft_examples(
             where=f"{source} row {i + 1}",
             max_length=max_length,
             truncate=truncate,
+            train_from=_train_from(row, f"{source} row {i + 1}"),
             assistant_only=assistant_only,
         )
         for i, row in enumerate(rows)
     ]
+
+
+def _train_from(row: Mapping[str, Any], where: str) -> int:
+    """A row's `train_from` (0 when absent): the first message whose assistant turns are trained."""
+    value = row.get("train_from", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{where}: 'train_from' must be a message index >= 0, not {value!r}")
+    return value
 
 
 def pair_examples(

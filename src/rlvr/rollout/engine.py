@@ -33,10 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlvr.envs.base import STATE_KEY, Env, EnvStep, SingleTurnEnv
+from rlvr.envs.tool_formats import HERMES, ToolFormat, ToolFormatChoice, resolve_tool_format
 from rlvr.observe.watchdog import watch
 from rlvr.records import FinishReason, Group, Span, Task, Trajectory
 from rlvr.rollout.chat import (
     Truncation,
+    decode_turn,
+    is_skipped_special,
     observation_glue_text,
     render_prompt_ids,
     truncate_text,
@@ -59,6 +62,7 @@ class RolloutLimits:
     tool_timeout_s: float = 5.0
     max_tool_calls_per_turn: int = 4
     env_workers: int = 4  # threads stepping envs in parallel (1 = in the calling thread)
+    tool_format: ToolFormatChoice = "auto"  # auto = the chat template's (envs/tool_formats.py)
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class _Episode:
     last_text: str = ""
     finish: FinishReason | None = None
     error: str | None = None
+    tool_format: ToolFormat = HERMES
 
     def __post_init__(self) -> None:
         self.policy_mask = [0] * len(self.token_ids)
@@ -103,20 +108,23 @@ class _Episode:
         return len(self.token_ids) - self.prompt_length
 
 
-def _configure(env: Env, limits: RolloutLimits) -> None:
-    # Tool envs read their per-call limits from these attributes (see envs/tools.py).
+def _configure(env: Env, limits: RolloutLimits, tool_format: ToolFormat) -> None:
+    # Tool envs read their per-call limits and call format from these attributes (envs/tools.py).
     if hasattr(env, "timeout_s"):
         env.timeout_s = limits.tool_timeout_s
     if hasattr(env, "max_calls_per_turn"):
         env.max_calls_per_turn = limits.max_tool_calls_per_turn
+    if hasattr(env, "tool_format"):
+        env.tool_format = tool_format
 
 
 def _start(
     task: Task, make_env: EnvFactory, tokenizer: Any, limits: RolloutLimits, index: int = 0
 ) -> _Episode:
+    tool_format = resolve_tool_format(limits.tool_format, tokenizer)
     try:
         env = make_env(task)
-        _configure(env, limits)
+        _configure(env, limits, tool_format)
         env.episode_index = index  # its place in the group: seeds a random env (resume-safe)
         with watch("env_step", f"{type(env).__name__}.reset"):
             opening = env.reset()
@@ -125,7 +133,7 @@ def _start(
         failed = _Episode(task, SingleTurnEnv(task), 1, [], ids, len(ids), finish="error")
         failed.error = f"reset failed: {type(exc).__name__}: {exc}"[:500]
         return failed
-    ids = render_prompt_ids(tokenizer, opening.messages, opening.tools)
+    ids = render_prompt_ids(tokenizer, opening.messages, opening.tools, tool_format)
     return _Episode(
         task=task,
         env=env,
@@ -133,6 +141,7 @@ def _start(
         tools=list(opening.tools),
         token_ids=ids,
         prompt_length=len(ids),
+        tool_format=tool_format,
     )
 
 
@@ -167,7 +176,7 @@ def _sample_turn(
 
 def special_token_text(tokenizer: Any, token_id: int) -> str:
     """The decoded text of `token_id` when it is a special token (an EOS the policy sampled), else ""."""
-    if token_id in getattr(tokenizer, "all_special_ids", ()):
+    if is_skipped_special(tokenizer, token_id):
         return str(tokenizer.decode([token_id]))
     return ""
 
@@ -190,7 +199,13 @@ def _append_observation(
             tokenizer, content, limits.max_observation_tokens, limits.observation_truncation
         )
         messages.append({**m, "content": content})
-    glue = observation_glue_text(tokenizer, messages, ep.tools, sampled_eos_text=sampled_eos_text)
+    glue = observation_glue_text(
+        tokenizer,
+        messages,
+        ep.tools,
+        sampled_eos_text=sampled_eos_text,
+        turn_ends=ep.tool_format.turn_ends,
+    )
     ids = [int(i) for i in tokenizer(glue, add_special_tokens=False)["input_ids"]]
     if ep.used + len(ids) >= limits.max_total_tokens:
         return False
@@ -299,7 +314,8 @@ def _play(
             ep.policy_mask.extend([1] * len(sampled))
             ep.logprobs.extend(completion.logprobs[: len(sampled)])
             ep.turns.append(Span(start, len(ep.token_ids)))
-            text = str(tokenizer.decode(sampled, skip_special_tokens=True))
+            # The env sees the turn without special tokens, but with its tool-call markers.
+            text = decode_turn(tokenizer, sampled, ep.tool_format.markers)
             ep.last_text = text
             ep.messages.append({"role": "assistant", "content": text})
             eos_text = "" if not sampled or cut else special_token_text(tokenizer, sampled[-1])

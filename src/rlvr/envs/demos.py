@@ -1,0 +1,283 @@
+"""Demonstrations played in an env, written as SFT chat rows: a format warm-up before RL.
+
+    rlvr env demos frozenlake --episodes 160 --policy random -o demos.jsonl
+    rlvr env demos examples/env_frozenlake.yaml --episodes 160 -o demos.jsonl   # that run's env
+    (in a pipeline: an `sft` stage with `env_demos: {episodes: 160}`, see rlvr.pipeline)
+
+Why: SmolLM2-135M almost never writes a well-formed action unprompted (well-formed first turns on
+train instances: frozenlake 2/32, sokoban 0/32, sudoku 0/32, countdown 2/32), so RL alone spends its
+first tens of steps discovering the `<answer>` tag before it can learn the task
+(docs/efficacy_notes.md). A short SFT on demonstrations teaches the tag first.
+
+What the demonstrations teach depends on the policy:
+- `random` (the warm-up): every turn is a random LEGAL, well-formed action from the family's
+  `random_action(task, messages, rng) -> str` (a move chosen uniformly, a Sudoku grid of random
+  digits, a Countdown expression with random operators...). The choice is blind, so SFT on them
+  teaches the answer FORMAT and the turn protocol, not the task: a random walk rarely reaches the
+  goal, and the policy it clones has no preference among legal actions. Episodes end where the env
+  ends them or at the turn cap (the RL config's, or `max_turns` to keep the rows short).
+- `scripted`: the family's solver, `scripted_action(task, messages) -> str`. This is behaviour
+  cloning: it teaches the task itself, and a table that uses it must say so.
+(`messages` is the episode's conversation after the opening: assistant turns and observations.)
+
+Faithful to RL, so SFT sees the template RL will:
+- the instances are the RL config's TRAIN split, built by the same `Sources` training builds (env,
+  options, num_train, heldout_fraction), so a held-out instance is never demonstrated;
+- the episodes are played through the real rollout engine (rollout/engine.py) with the config's
+  limits (turn cap, token budget, observation truncation), the policy's text tokenized and ended
+  with EOS as a sampled turn would be (check.py's `_PolicyGenerator`);
+- a row's `messages` are exactly the conversation the engine showed: the opening as rendered
+  (tool schemas written into the system message where the template ignores `tools=`), each
+  assistant turn as decoded, each observation as truncated. SFT renders them with the same chat
+  template, so its tokens are the trajectory's tokens, plus the template's newline after each
+  end-of-turn token, which RL treats as glue and SFT trains on (tests/test_env_demos.py).
+A turn cut by the episode's token budget ends its row before that turn (an SFT row would teach a
+turn ended where the engine never lets one end); an episode whose first turn was cut, or whose env
+failed, is dropped. Both are counted.
+
+Rows: {"messages": [...], "train_from", "task_id", "policy", "success", "turns"}; the SFT loader
+reads `messages` (role and content) and `train_from` (the opening's length: an assistant message in
+the opening, such as the calculator's worked example, is context in RL and stays untrained in SFT)
+and ignores the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from rlvr.config import RunConfig, _Section, load_config
+from rlvr.envs.base import Env, EnvFamily, EnvReset
+from rlvr.envs.check import Policy, _PolicyGenerator, _Recorder
+from rlvr.errors import ConfigError
+from rlvr.records import Task, Trajectory
+from rlvr.rollout.chat import template_renders_tools, with_tool_instructions
+from rlvr.rollout.generator import SamplingParams
+
+DemoPolicy = Literal["random", "scripted"]
+
+
+class EnvDemosConfig(_Section):
+    """Demonstrations for an SFT stage (a pipeline's `env_demos:`), or `rlvr env demos`' options."""
+
+    config: str | None = Field(
+        None,
+        description="An RL config YAML whose env, train split and rollout limits to play "
+        "(relative to the pipeline config); default: the pipeline's first RL stage.",
+    )
+    episodes: int = Field(
+        160, ge=1, description="Demonstrations (train instances, reused past all)."
+    )
+    policy: DemoPolicy = Field(
+        "random",
+        description="random: random legal actions (teaches the format only); scripted: the "
+        "family's solver (behaviour cloning: teaches the task).",
+    )
+    seed: int = Field(0, description="Which train instances, and the random policy's choices.")
+    max_turns: int | None = Field(
+        None, ge=1, description="Turn cap of a demonstration (default: the RL config's / env's)."
+    )
+
+
+@dataclass(frozen=True)
+class Demos:
+    """What was played: the rows kept, and why the others were not."""
+
+    rows: list[dict[str, Any]]
+    env: str
+    policy: DemoPolicy
+    train_instances: int  # size of the train split the episodes were drawn from
+    dropped_cut: int  # the first turn was cut by a token limit
+    dropped_error: int  # the env failed
+    trimmed: int  # kept up to the turn before one cut by the token budget
+    trajectories: list[Trajectory]  # the engine's record of each kept row's episode, in order
+
+    @property
+    def success_rate(self) -> float:
+        return sum(r["success"] for r in self.rows) / max(1, len(self.rows))
+
+    @property
+    def mean_turns(self) -> float:
+        return sum(r["turns"] for r in self.rows) / max(1, len(self.rows))
+
+    def summary(self) -> dict[str, float]:
+        """Numbers for a stage's metrics: how many rows, and how often the demonstrator won."""
+        return {
+            "demos/rows": float(len(self.rows)),
+            "demos/success_rate": self.success_rate,
+            "demos/mean_turns": self.mean_turns,
+            "demos/dropped": float(self.dropped_cut + self.dropped_error),
+            "demos/trimmed": float(self.trimmed),
+        }
+
+
+class _OpeningRecorder(_Recorder):
+    """check.py's recorder (the conversation for the policy, the engine's limits forwarded), which
+    also keeps the opening the env gave, for the row's first messages."""
+
+    opening: EnvReset
+
+    def reset(self) -> EnvReset:
+        self.opening = super().reset()
+        return self.opening
+
+
+def demo_config(target: str, overrides: list[str] | None = None) -> tuple[RunConfig, Path]:
+    """(RunConfig, its folder) for `rlvr env demos TARGET`: an RL config YAML as it is, or an env
+    name / FILE.py:Family with the config defaults; `overrides` are `--set` paths of a RunConfig
+    (task.env.options.size=5, rollout.max_turns=4, task.env.num_train=500)."""
+    if target.endswith((".yaml", ".yml")):
+        return load_config(target, overrides), Path(target).resolve().parent
+    # A FILE.py:Family is read from the working directory, as `rlvr env check` reads it.
+    names = ["task.source=env", f"task.env.name={target}", *(overrides or [])]
+    return load_config(None, names), Path.cwd()
+
+
+def _policy(family: EnvFamily, kind: DemoPolicy, seed: int, episode: int) -> Policy:
+    if kind == "scripted":
+        scripted = getattr(family, "scripted_action", None)
+        if not callable(scripted):
+            raise ConfigError(
+                f"env '{family.name}' has no scripted_action(task, messages) to clone; "
+                "use policy random"
+            )
+        return scripted
+    act = getattr(family, "random_action", None)
+    if not callable(act):
+        raise ConfigError(
+            f"env '{family.name}' has no random_action(task, messages, rng): define one that "
+            "returns a random legal, well-formed action, or use policy scripted"
+        )
+    rng = random.Random(f"{seed}:{episode}")
+    return lambda task, messages: act(task, messages, rng)
+
+
+def play_demos(
+    cfg: RunConfig,
+    *,
+    tokenizer: Any,
+    episodes: int,
+    policy: DemoPolicy = "random",
+    seed: int = 0,
+    max_turns: int | None = None,
+    config_dir: Path | None = None,
+) -> Demos:
+    """Play `episodes` demonstrations on `cfg`'s train split (see the module docstring)."""
+    from rlvr.build import rollout_limits
+    from rlvr.rollout.engine import rollout_groups
+    from rlvr.train.sources import Sources
+
+    if cfg.mixture or cfg.task.source != "env":
+        raise ConfigError("env demos need a config with one env (task.source: env, no mixture)")
+    (source,) = list(Sources(cfg, config_dir))
+    family = source.family
+    assert family is not None
+    train = source.splits.train
+    order = list(range(len(train)))
+    random.Random(f"demos:{seed}").shuffle(order)
+    limits = replace(rollout_limits(cfg), env_workers=1)
+    if max_turns is not None:
+        limits = replace(limits, max_turns=max_turns)
+    sampling = SamplingParams(n=1, temperature=1.0, max_new_tokens=cfg.sampling.max_new_tokens)
+    eos = tokenizer.eos_token_id
+    rows: list[dict[str, Any]] = []
+    kept: list[Trajectory] = []
+    dropped_cut = dropped_error = trimmed = 0
+    for episode in range(episodes):
+        task = train[order[episode % len(order)]]
+        act = _policy(family, policy, seed, episode)
+        recorder = _OpeningRecorder(family.make(task))
+        generator = _PolicyGenerator(act, tokenizer, task, recorder)
+
+        def make_env(_task: Task, recorder: _OpeningRecorder = recorder) -> Env:
+            return recorder
+
+        group = rollout_groups(
+            [task], make_env, generator, tokenizer, sampling, source.scoring, limits
+        )
+        traj = group[0].trajectories[0]
+        if traj.finish_reason == "error" or traj.reward_errors:
+            dropped_error += 1
+            continue
+        # Turns that ended with EOS, from the first; a turn cut by the token budget ends the row
+        # before it (with the observation that led to it): the engine never lets a turn end so.
+        complete = next(
+            (k for k, span in enumerate(traj.turns) if traj.token_ids[span.end - 1] != eos),
+            len(traj.turns),
+        )
+        if complete == 0:
+            dropped_cut += 1
+            continue
+        trimmed += complete < len(traj.turns)
+        assistant_at = [i for i, m in enumerate(traj.messages) if m.get("role") == "assistant"]
+        after_opening = [dict(m) for m in traj.messages[: assistant_at[complete - 1] + 1]]
+        opening = recorder.opening
+        if opening.tools and template_renders_tools(tokenizer):
+            raise ConfigError(
+                f"env '{family.name}' has tools and this chat template renders tools= itself; "
+                "SFT rows carry no tools=, so demonstrations would not match what RL shows"
+            )
+        messages = with_tool_instructions(tokenizer, opening.messages, opening.tools)
+        rows.append(
+            {
+                "messages": [*messages, *after_opening],
+                "train_from": len(messages),  # an opening's worked example is context, as in RL
+                "task_id": task.id,
+                "policy": policy,
+                "success": float(traj.rewards.get(source.metric, 0.0) >= 1.0),
+                "turns": complete,
+            }
+        )
+        kept.append(traj)
+    return Demos(rows, family.name, policy, len(train), dropped_cut, dropped_error, trimmed, kept)
+
+
+def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
+    """JSONL, one row a line, written whole or not at all (a stage resumed after a crash must not
+    train on half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    os.replace(partial, path)
+
+
+def demos_for_stage(
+    settings: EnvDemosConfig,
+    rl_config: RunConfig | None,
+    *,
+    tokenizer: Any,
+    config_dir: Path,
+    out: Path,
+) -> Demos:
+    """A pipeline stage's demonstrations, written to `out`: from `settings.config` (relative to
+    `config_dir`) or else `rl_config` (the pipeline's first RL stage)."""
+    if settings.config is not None:
+        path = Path(settings.config)
+        path = path if path.is_absolute() else config_dir / path
+        cfg, cfg_dir = load_config(path), path.parent
+    elif rl_config is not None:
+        cfg, cfg_dir = rl_config, config_dir
+    else:
+        raise ConfigError("env_demos needs `config:` (an RL config YAML) or a later RL stage")
+    demos = play_demos(
+        cfg,
+        tokenizer=tokenizer,
+        episodes=settings.episodes,
+        policy=settings.policy,
+        seed=settings.seed,
+        max_turns=settings.max_turns,
+        config_dir=cfg_dir,
+    )
+    if not demos.rows:
+        raise ConfigError(
+            f"env '{demos.env}': every demonstration was dropped ({demos.dropped_cut} cut by a "
+            f"token limit, {demos.dropped_error} env errors); raise sampling.max_new_tokens"
+        )
+    write_rows(demos.rows, out)
+    return demos

@@ -1,0 +1,332 @@
+"""`rlvr env demos` (rlvr.envs.demos): demonstrations for a format warm-up before RL.
+
+What must hold: a random demonstration's every assistant turn is a legal, well-formed action of
+its env (replayed in a fresh env, no turn is invalid); only train instances are played; the rows
+load in the SFT data loader, and their tokens and trained positions are the engine's for the same
+episode; the scripted policy solves; errors are one line."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from rlvr.cli import app
+from rlvr.config import TaskConfig
+from rlvr.envs.base import EnvStep, get_env_family, stable_fraction
+from rlvr.envs.demos import demo_config, play_demos, write_rows
+from rlvr.errors import ConfigError
+from rlvr.models import tiny_tokenizer
+from rlvr.offline.data import load_rows, sft_examples
+from rlvr.records import Task
+from rlvr.tasks import load_tasks
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+# Char-level tokenizer: every turn needs as many tokens as it has characters.
+ROOMY = ["sampling.max_new_tokens=160", "rollout.max_total_tokens=1200"]
+
+
+def demos_of(name: str, policy: str = "random", episodes: int = 12, *sets: str) -> Any:
+    cfg, config_dir = demo_config(str(EXAMPLES / f"env_{name}.yaml"), [*ROOMY, *sets])
+    demos = play_demos(
+        cfg,
+        tokenizer=tiny_tokenizer(),
+        episodes=episodes,
+        policy=policy,  # type: ignore[arg-type]
+        seed=3,
+        config_dir=config_dir,
+    )
+    return cfg, demos
+
+
+def legal(name: str, step: EnvStep, turn: int) -> bool:
+    """The env read the turn as a legal, well-formed action."""
+    if name in ("frozenlake", "sokoban", "bandit"):
+        return step.rewards.get("invalid_action", 0.0) == 0.0
+    if name in ("sudoku", "countdown"):
+        return bool(step.info["parsed"])
+    assert name == "calculator"  # a call that ran, then a tagged answer
+    if turn == 0:
+        return step.info.get("tool_calls") == 1 and not step.info.get("tool_failures")
+    return step.rewards["format"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "name", ["frozenlake", "sokoban", "sudoku", "countdown", "bandit", "calculator"]
+)
+def test_random_demos_are_legal_actions_on_train_instances_only(name: str) -> None:
+    cfg, demos = demos_of(name)
+    splits = load_tasks(cfg.task)
+    train = {t.id: t for t in splits.train}
+    heldout = {t.id for t in splits.heldout}
+    assert len(demos.rows) == 12 and demos.policy == "random"
+    family = get_env_family(name, cfg.task.env.options)
+    for row in demos.rows:
+        assert row["task_id"] in train and row["task_id"] not in heldout
+        assert stable_fraction(row["task_id"]) >= cfg.task.env.heldout_fraction
+        # Replay the row's assistant turns in a fresh env: none is an invalid action.
+        env = family.make(train[row["task_id"]])
+        env.reset()
+        turns = [
+            m["content"] for m in row["messages"][row["train_from"] :] if m["role"] == "assistant"
+        ]
+        assert len(turns) == row["turns"] >= 1
+        for k, text in enumerate(turns):
+            step = env.step(text)
+            assert legal(name, step, k), (name, text, step)
+    # Random play rarely wins a grid game: the rows teach the format, not the task.
+    if name in ("frozenlake", "sudoku", "countdown"):
+        assert demos.success_rate <= 0.25
+
+
+def test_random_choices_differ_between_episodes_and_seeds() -> None:
+    _, a = demos_of("frozenlake", "random", 12)
+    firsts = {r["messages"][2]["content"] for r in a.rows}
+    assert len(firsts) >= 3  # not one move copied everywhere
+    cfg, config_dir = demo_config(str(EXAMPLES / "env_frozenlake.yaml"), ROOMY)
+    again = play_demos(cfg, tokenizer=tiny_tokenizer(), episodes=12, seed=3, config_dir=config_dir)
+    other = play_demos(cfg, tokenizer=tiny_tokenizer(), episodes=12, seed=4, config_dir=config_dir)
+    assert again.rows == a.rows  # seeded
+    assert other.rows != a.rows
+
+
+@pytest.mark.parametrize("name", ["frozenlake", "countdown", "calculator"])
+def test_rows_are_the_engines_conversation_token_for_token(name: str, tmp_path: Path) -> None:
+    """The SFT loader renders a row to the trajectory's own tokens, and trains exactly its sampled
+    positions plus the template's newline after each end-of-turn token (glue in RL)."""
+    _, demos = demos_of(name, "random", 8)
+    tokenizer = tiny_tokenizer()
+    path = tmp_path / "demos.jsonl"
+    write_rows(demos.rows, path)
+    examples = sft_examples(
+        tokenizer, load_rows(path), source="demos", max_length=4096, truncate=False,
+        assistant_only=True,
+    )  # fmt: skip
+    eos = tokenizer.eos_token_id
+    for row, traj, example in zip(demos.rows, demos.trajectories, examples, strict=True):
+        end = traj.turns[row["turns"] - 1].end  # through the last complete turn
+        assert list(example.input_ids[:end]) == list(traj.token_ids[:end])
+        trained = {t for t in range(end) if example.loss_mask[t]}
+        sampled = {t for t in range(end) if traj.policy_mask[t]}
+        assert sampled <= trained
+        assert all(traj.token_ids[t - 1] == eos for t in trained - sampled)
+    if name == "calculator":  # the opening's worked example is context, as in RL
+        row = demos.rows[0]
+        assert row["train_from"] > 0
+        assert any(m["role"] == "assistant" for m in row["messages"][: row["train_from"]])
+        assert "<tools>" in row["messages"][0]["content"]  # schemas as the engine wrote them
+
+
+@pytest.mark.parametrize("name", ["frozenlake", "sokoban", "sudoku", "countdown", "bandit"])
+def test_scripted_demos_solve_every_instance(name: str) -> None:
+    _, demos = demos_of(name, "scripted", 6)
+    assert demos.success_rate == 1.0 and {r["policy"] for r in demos.rows} == {"scripted"}
+
+
+def test_slippery_frozenlake_solver_replans_from_the_lake_shown() -> None:
+    _, demos = demos_of("frozenlake", "scripted", 12, "task.env.options.slippery=true")
+    assert demos.success_rate > 0.0  # it follows the player where the ice took it
+
+
+def test_a_turn_cut_by_the_token_budget_ends_the_row_before_it() -> None:
+    # Char-level tokens: a turn is ~23, an observation ~140, so in 180 the second turn is cut.
+    cfg, config_dir = demo_config(
+        str(EXAMPLES / "env_frozenlake.yaml"),
+        ["sampling.max_new_tokens=24", "rollout.max_total_tokens=180"],
+    )
+    demos = play_demos(cfg, tokenizer=tiny_tokenizer(), episodes=30, seed=0, config_dir=config_dir)
+    assert demos.trimmed > 0 and demos.dropped_cut == 0
+    for row in demos.rows:
+        assert row["turns"] == 1 and row["messages"][-1]["role"] == "assistant"
+        assert row["messages"][-1]["content"].endswith("</answer>")
+    # A first turn longer than the turn cap: nothing left to demonstrate.
+    cfg, config_dir = demo_config(
+        str(EXAMPLES / "env_frozenlake.yaml"), ["sampling.max_new_tokens=10"]
+    )
+    demos = play_demos(cfg, tokenizer=tiny_tokenizer(), episodes=3, seed=0, config_dir=config_dir)
+    assert demos.rows == [] and demos.dropped_cut == 3
+
+
+def test_max_turns_caps_each_demonstration() -> None:
+    _, demos = demos_of("sokoban", "random", 10, "rollout.max_turns=2")
+    assert max(r["turns"] for r in demos.rows) <= 2
+
+
+def test_a_family_without_the_hooks_is_told_what_to_define(tmp_path: Path) -> None:
+    source = (
+        "from rlvr.envs.base import EnvFamily, Env, EnvReset, EnvStep\n"
+        "from rlvr.records import Task\n"
+        "class E(Env):\n"
+        "    def __init__(self, t): self.t = t\n"
+        "    def reset(self): return EnvReset(list(self.t.messages))\n"
+        "    def step(self, text): return EnvStep(rewards={'success': 0.0}, done=True)\n"
+        "class Plain(EnvFamily):\n"
+        "    name = 'plain'\n    description = 'x'\n"
+        "    def generate(self, seed):\n"
+        "        return Task(id=f'p{seed}', messages=({'role': 'user', 'content': str(seed)},))\n"
+        "    def make(self, task): return E(task)\n"
+    )
+    (tmp_path / "plain_env.py").write_text(source)
+    cfg, _ = demo_config(f"{tmp_path / 'plain_env.py'}:Plain", ["task.env.num_train=20"])
+    for policy, needle in (("random", "random_action(task, messages, rng)"),
+                           ("scripted", "scripted_action(task, messages)")):  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(needle)) as err:
+            play_demos(cfg, tokenizer=tiny_tokenizer(), episodes=1, policy=policy)  # type: ignore[arg-type]
+        assert "\n" not in str(err.value)
+
+
+def test_cli_writes_rows_and_says_what_they_teach(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "demos.jsonl"
+    result = CliRunner().invoke(
+        app,
+        ["env", "demos", "frozenlake", "--episodes", "5", "-o", str(out), "--seed", "1",
+         "--set", "task.env.options.size=5", "--tokenizer", str(tiny_model_dir)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "teaches the format only, not the task" in result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 5 and all(r["task_id"].count("/") == 4 for r in rows)  # 5x5 lakes
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["frozenlake", "--policy", "clever"], "--policy 'clever': expected random or scripted"),
+        (["nosuch"], "'nosuch' is not a known env"),
+        (["calculator", "--policy", "scripted"], "has no scripted_action"),
+        (["frozenlake", "--set", "task.env.options.sise=5"], "task.env.options.sise"),
+        ([str(EXAMPLES / "quickstart.yaml")], "need a config with one env"),
+    ],
+)
+def test_cli_errors_are_one_line(args: list[str], needle: str, tmp_path: Path) -> None:
+    """The message `rlvr` prints as `error: ...` (cli.main), and no file written."""
+    out = tmp_path / "x.jsonl"
+    result = CliRunner().invoke(
+        app, ["env", "demos", *args, "-o", str(out), "--tokenizer", "tiny-random"]
+    )
+    assert isinstance(result.exception, ConfigError), result.output
+    message = str(result.exception)
+    assert needle in message and "\n" not in message
+    assert not out.exists()
+
+
+def test_cli_error_exit_code_and_stderr() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlvr.cli", "env", "demos", "nosuch", "-o", "never.jsonl"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: task.env.name 'nosuch' is not a known")
+
+
+def test_calculator_random_turns_call_then_answer_the_result() -> None:
+    family = get_env_family("calculator", {"num_operations": 2})
+    task: Task = family.generate(0)
+    rng = random.Random(0)
+    call = family.random_action(task, [], rng)  # type: ignore[attr-defined]
+    assert call.startswith("<tool_call>\n") and '"name": "calculator"' in call
+    messages = [{"role": "assistant", "content": call}, {"role": "tool", "content": "1234"}]
+    assert family.random_action(task, messages, rng) == "<answer>1234</answer>"  # type: ignore[attr-defined]
+
+
+def test_a_pipeline_warms_up_on_env_demos_then_runs_rl(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """An sft stage with `env_demos:` plays the RL stage's env on its train split, trains on the
+    rows, and hands its model to the RL stage; `stop_before` runs the warm-up alone first (what
+    benchmarks/efficacy.py does to time it), and the rerun continues with RL."""
+    from rlvr.pipeline import PipelineConfig, run_pipeline
+
+    rl_config = {
+        "model": {"bf16": "off"},
+        "task": {"source": "env", "env": {"name": "frozenlake", "num_train": 40, "num_heldout": 4}},
+        "sampling": {"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 24},
+        "rollout": {"max_turns": 2, "max_total_tokens": 400},
+        "train": {"steps": 1},
+        "eval": {"at_start": False, "at_end": False},
+        "tracking": {"trackio": False, "progress": False},
+    }
+    sft_config = {
+        "model": {"bf16": "off"},
+        "data": {"heldout_fraction": 0.1},
+        "train": {"steps": 3, "batch_size": 4, "micro_batch_size": 4, "learning_rate": 1.0e-3,
+                  "max_length": 2048},
+        "progress": False,
+    }  # fmt: skip
+    cfg = PipelineConfig.model_validate(
+        {
+            "model": str(tiny_model_dir),
+            "output_dir": str(tmp_path / "run"),
+            "eval": {"each_stage": True, "n": 2},
+            "stages": [
+                {
+                    "name": "format",
+                    "kind": "sft",
+                    "config": sft_config,
+                    "env_demos": {"episodes": 20, "max_turns": 2},
+                },
+                {"name": "rl", "kind": "rl", "config": rl_config},
+            ],
+        }
+    )
+    warm = run_pipeline(cfg, config_dir=tmp_path, echo=lambda _: None, stop_before="rl")
+    assert [r["stage"] for r in warm] == ["start", "format"]
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "format" / "demos.jsonl").read_text().splitlines()]
+    assert len(rows) == 20 and all(r["policy"] == "random" and r["turns"] <= 2 for r in rows)
+    heldout = {t.id for t in load_tasks(TaskConfig.model_validate(rl_config["task"])).heldout}
+    assert not heldout & {r["task_id"] for r in rows}
+    sft_cfg = json.loads((run / "format" / "config.json").read_text())
+    assert sft_cfg["data"]["path"] == str(run / "format" / "demos.jsonl")
+    metrics = warm[-1]["metrics"]
+    assert metrics["demos/rows"] == 20.0 and "loss" in metrics and warm[-1]["wall_minutes"] > 0
+    assert warm[-1]["heldout_accuracy"] is not None  # the warm-up's own held-out number
+
+    rows_all = run_pipeline(cfg, config_dir=tmp_path, echo=lambda _: None)
+    assert [r["stage"] for r in rows_all] == ["start", "format", "rl"]
+    rl_cfg = (run / "rl" / "config.yaml").read_text()
+    assert str(run / "format" / "model") in rl_cfg  # RL started from the warm-up's model
+
+
+def test_pipeline_config_errors_for_env_demos(tmp_path: Path) -> None:
+    from rlvr.pipeline import PipelineConfig, check_stages
+
+    base = {"name": "format", "kind": "sft", "env_demos": {"episodes": 4}}
+    with pytest.raises(ValueError, match="env_demos is for kind sft"):
+        PipelineConfig.model_validate({"stages": [{**base, "kind": "dpo"}]})
+    with pytest.raises(ValueError, match=r"env_demos replaces data\.path"):
+        PipelineConfig.model_validate(
+            {"stages": [{**base, "config": {"data": {"path": "a.jsonl"}}}]}
+        )
+    alone = PipelineConfig.model_validate({"stages": [base]})
+    with pytest.raises(ConfigError, match="env_demos needs `config:`"):
+        check_stages(alone, tmp_path)
+
+
+def test_the_documented_command_runs_on_the_doc_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/envs.md's `rlvr env demos my_envs.py:GuessFamily ...` line, with its random_action."""
+    doc = (EXAMPLES.parent / "docs" / "envs.md").read_text()
+    (tmp_path / "my_envs.py").write_text(
+        "\n\n".join(re.findall(r"```python\n(.*?)```", doc, re.DOTALL))
+    )
+    [commands] = re.findall(r"```sh\n(.*?)```", doc, re.DOTALL)
+    line = next(c for c in commands.splitlines() if "GuessFamily" in c)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, line.split()[1:])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(x) for x in (tmp_path / "guess_demos.jsonl").read_text().splitlines()]
+    assert len(rows) == 32
+    turns = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
+    assert all(re.fullmatch(r"<guess>\d+</guess>", t) for t in turns)
