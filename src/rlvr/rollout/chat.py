@@ -165,11 +165,8 @@ def is_skipped_special(tokenizer: Any, token_id: int) -> bool:
     """True when `token_id` is a special token: listed as one, or dropped by `skip_special_tokens`."""
     if token_id in getattr(tokenizer, "all_special_ids", ()):
         return True
-    return (
-        str(tokenizer.decode([token_id], skip_special_tokens=True))
-        == ""
-        != str(tokenizer.decode([token_id]))
-    )
+    dropped = str(tokenizer.decode([token_id], skip_special_tokens=True)) == ""
+    return dropped and str(tokenizer.decode([token_id])) != ""
 
 
 def _special_marker_ids(tokenizer: Any, markers: Sequence[str]) -> dict[int, str]:
