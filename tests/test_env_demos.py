@@ -229,6 +229,26 @@ def test_cli_error_exit_code_and_stderr() -> None:
     assert len(lines) == 1 and lines[0].startswith("error: task.env.name 'nosuch' is not a known")
 
 
+@pytest.mark.parametrize("tool_format", ["llama3_json", "mistral"])
+def test_tool_calls_are_written_in_the_format_the_engine_reads(tool_format: str) -> None:
+    """random_action writes Hermes; the rows carry the call in rollout.tool_format, and the
+    system message describes that format (the template ignores tools=, so rlvr writes it)."""
+    from rlvr.envs.tool_formats import resolve_tool_format
+
+    cfg, demos = demos_of("calculator", "random", 4, f"rollout.tool_format={tool_format}")
+    train = {t.id: t for t in load_tasks(cfg.task).train}
+    family = get_env_family("calculator", cfg.task.env.options)
+    for row in demos.rows:
+        turns = [
+            m["content"] for m in row["messages"][row["train_from"] :] if m["role"] == "assistant"
+        ]
+        assert "<tool_call>" not in turns[0]
+        env = family.make(train[row["task_id"]])
+        env.tool_format = resolve_tool_format(tool_format, tiny_tokenizer())  # type: ignore[attr-defined]
+        env.reset()
+        assert legal("calculator", env.step(turns[0]), 0), turns[0]
+
+
 def test_calculator_random_turns_call_then_answer_the_result() -> None:
     family = get_env_family("calculator", {"num_operations": 2})
     task: Task = family.generate(0)

@@ -18,7 +18,9 @@ What the demonstrations teach depends on the policy:
   ends them or at the turn cap (the RL config's, or `max_turns` to keep the rows short).
 - `scripted`: the family's solver, `scripted_action(task, messages) -> str`. This is behaviour
   cloning: it teaches the task itself, and a table that uses it must say so.
-(`messages` is the episode's conversation after the opening: assistant turns and observations.)
+(`messages` is the episode's conversation after the opening: assistant turns and observations.
+Both write tool calls in Hermes; they are rewritten in the format the engine reads for the
+tokenizer, `rollout.tool_format`, as `rlvr env check` does: envs/tool_formats.py `from_hermes`.)
 
 Faithful to RL, so SFT sees the template RL will:
 - the instances are the RL config's TRAIN split, built by the same `Sources` training builds (env,
@@ -55,6 +57,7 @@ from pydantic import Field
 from rlvr.config import RunConfig, _Section, load_config
 from rlvr.envs.base import Env, EnvFamily, EnvReset
 from rlvr.envs.check import Policy, _PolicyGenerator, _Recorder
+from rlvr.envs.tool_formats import ToolFormat, from_hermes, resolve_tool_format
 from rlvr.errors import ConfigError
 from rlvr.records import Task, Trajectory
 from rlvr.rollout.chat import template_renders_tools, with_tool_instructions
@@ -139,7 +142,11 @@ def demo_config(target: str, overrides: list[str] | None = None) -> tuple[RunCon
     return load_config(None, names), Path.cwd()
 
 
-def _policy(family: EnvFamily, kind: DemoPolicy, seed: int, episode: int) -> Policy:
+def _policy(
+    family: EnvFamily, kind: DemoPolicy, seed: int, episode: int, calls: ToolFormat
+) -> Policy:
+    """The episode's policy; its Hermes `<tool_call>` blocks are rewritten in `calls`, the format
+    the engine reads for this tokenizer (as `rlvr env check` shows a scripted solver)."""
     if kind == "scripted":
         scripted = getattr(family, "scripted_action", None)
         if not callable(scripted):
@@ -147,7 +154,7 @@ def _policy(family: EnvFamily, kind: DemoPolicy, seed: int, episode: int) -> Pol
                 f"env '{family.name}' has no scripted_action(task, messages) to clone; "
                 "use policy random"
             )
-        return scripted
+        return lambda task, messages: from_hermes(scripted(task, messages), calls)
     act = getattr(family, "random_action", None)
     if not callable(act):
         raise ConfigError(
@@ -155,7 +162,7 @@ def _policy(family: EnvFamily, kind: DemoPolicy, seed: int, episode: int) -> Pol
             "returns a random legal, well-formed action, or use policy scripted"
         )
     rng = random.Random(f"{seed}:{episode}")
-    return lambda task, messages: act(task, messages, rng)
+    return lambda task, messages: from_hermes(act(task, messages, rng), calls)
 
 
 def play_demos(
@@ -185,13 +192,14 @@ def play_demos(
     if max_turns is not None:
         limits = replace(limits, max_turns=max_turns)
     sampling = SamplingParams(n=1, temperature=1.0, max_new_tokens=cfg.sampling.max_new_tokens)
+    calls = resolve_tool_format(limits.tool_format, tokenizer)
     eos = tokenizer.eos_token_id
     rows: list[dict[str, Any]] = []
     kept: list[Trajectory] = []
     dropped_cut = dropped_error = trimmed = 0
     for episode in range(episodes):
         task = train[order[episode % len(order)]]
-        act = _policy(family, policy, seed, episode)
+        act = _policy(family, policy, seed, episode, calls)
         recorder = _OpeningRecorder(family.make(task))
         generator = _PolicyGenerator(act, tokenizer, task, recorder)
 
@@ -223,7 +231,7 @@ def play_demos(
                 f"env '{family.name}' has tools and this chat template renders tools= itself; "
                 "SFT rows carry no tools=, so demonstrations would not match what RL shows"
             )
-        messages = with_tool_instructions(tokenizer, opening.messages, opening.tools)
+        messages = with_tool_instructions(tokenizer, opening.messages, opening.tools, calls)
         rows.append(
             {
                 "messages": [*messages, *after_opening],
