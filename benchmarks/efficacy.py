@@ -10,6 +10,12 @@ For each row (an env or task at one difficulty, trained from its example config)
    instances; before and after are paired per instance), tool-call rate and turns per episode
    after training, steps done, wall minutes of training and the CPU it ran on.
 
+A warm-up row (`pipeline=True`, examples/env_*_warmup.yaml) runs a pipeline instead: an SFT format
+warm-up on demonstrations of random legal actions played on the RL config's train instances
+(rlvr.envs.demos: they teach the answer format, not the task), then the RL stage with what is left
+of the budget. It also scores the warm-up's model alone (`after warm-up`), so the gain RL adds over
+the format is reported apart (`rl_gain`); its training minutes include the warm-up.
+
 Held-out instances come from each env family's own split (disjoint from training by construction,
 tested per family in tests/test_env_*.py); nothing here is tuned on them: the configs are the
 examples as committed. Each finished row is appended to `--results` (JSONL, one object per row and
@@ -17,7 +23,8 @@ run), and `--out` (docs/efficacy.md) is regenerated from the newest result of ev
 can be measured in separate invocations: the table is the instrument's output, never hand-edited.
 
 Usage: python benchmarks/efficacy.py [--rows arithmetic calculator-1op ...] [--budget-minutes 30]
-       [--n 200] [--k 4] [--list]   (`make efficacy` runs every row: hours on 2 cores)
+       [--n 200] [--k 4] [--list] [--warmup-set train.steps=8]
+       (`make efficacy` runs every row: hours on 2 cores)
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class Row:
     overrides: tuple[str, ...] = field(default_factory=tuple)
     max_minutes: float | None = None  # training wall time the target allows
     min_tool_rate: float | None = None  # share of held-out episodes that call a tool
+    pipeline: bool = False  # config is a pipeline: warm-up stages, then its RL stage
 
 
 # Env rows score 200 held-out instances (the example configs evaluate on fewer during training).
@@ -70,14 +78,25 @@ ROWS = [
         overrides=HELDOUT_200),
     Row("frozenlake", "frozenlake 4x4, not slippery", "env_frozenlake.yaml", "+30 points",
         target_gain=0.30, overrides=HELDOUT_200),
+    Row("frozenlake-warmup", "frozenlake 4x4, not slippery; format warm-up, then RL",
+        "env_frozenlake_warmup.yaml", "+30 points", target_gain=0.30, overrides=HELDOUT_200,
+        pipeline=True),
     Row("frozenlake-slippery", "frozenlake 4x4, slippery", "env_frozenlake.yaml", "+15 points",
         target_gain=0.15, overrides=(*HELDOUT_200, "task.env.options.slippery=true")),
     Row("sokoban", "sokoban, smallest room (5x5, 1 box)", "env_sokoban.yaml", "+15 points",
         target_gain=0.15, overrides=(*HELDOUT_200, "task.env.options.size=5")),
+    Row("sokoban-warmup", "sokoban, smallest room (5x5, 1 box); format warm-up, then RL",
+        "env_sokoban_warmup.yaml", "+15 points", target_gain=0.15,
+        overrides=(*HELDOUT_200, "task.env.options.size=5"), pipeline=True),
     Row("countdown", "countdown, 3 numbers", "env_countdown.yaml", "+15 points",
         target_gain=0.15, overrides=HELDOUT_200),
+    Row("countdown-warmup", "countdown, 3 numbers; format warm-up, then RL",
+        "env_countdown_warmup.yaml", "+15 points", target_gain=0.15, overrides=HELDOUT_200,
+        pipeline=True),
     Row("sudoku", "sudoku 4x4", "env_sudoku.yaml", "+20 points", target_gain=0.20,
         overrides=HELDOUT_200),
+    Row("sudoku-warmup", "sudoku 4x4; format warm-up, then RL", "env_sudoku_warmup.yaml",
+        "+20 points", target_gain=0.20, overrides=HELDOUT_200, pipeline=True),
     Row("code", "code (the env's 50 tasks)", "env_code.yaml", "+10 points pass@1",
         target_gain=0.10),
 ]  # fmt: skip
@@ -151,11 +170,16 @@ def per_instance_scores(policy: Any, cfg: Any, config_dir: Path, n: int, k: int)
     return out
 
 
+# What every RL run of a row is told, whatever the config says: no in-run evals, no step
+# checkpoints, the row's time budget.
+RL_RUN_OVERRIDES = ("eval.at_start=false", "eval.at_end=false", "eval.every=0",
+                    "checkpoint.every=0", "tracking.progress=false")  # fmt: skip
+
+
 def measure(
     row: Row, budget_minutes: float, n: int, k: int, runs_dir: Path, extra: list[str]
 ) -> dict[str, Any]:
     """Before, train, after for one row; `extra` are more `--set` overrides (tests use a tiny model)."""
-    from rlvr.build import use_bf16
     from rlvr.config import load_config
     from rlvr.evaluate_cli import load_model
     from rlvr.models import load_policy
@@ -166,12 +190,8 @@ def measure(
     overrides = [
         *row.overrides,
         f"output_dir={run_dir}",
-        "eval.at_start=false",
-        "eval.at_end=false",
-        "eval.every=0",
-        "checkpoint.every=0",
+        *RL_RUN_OVERRIDES,
         f"train.time_limit_minutes={budget_minutes}",
-        "tracking.progress=false",
         *extra,
     ]
     cfg = load_config(config_path, overrides)
@@ -183,6 +203,25 @@ def measure(
     wall = (time.time() - started) / 60
     policy, _ = load_model(str(run_dir))
     after = per_instance_scores(policy, cfg, EXAMPLES, n, k)
+    args = "".join(f" --set {e}" for e in extra)
+    return row_result(row, cfg, before, after, summary.steps_done, wall, budget_minutes, k, n, args)
+
+
+def row_result(
+    row: Row,
+    cfg: Any,
+    before: dict[str, Any],
+    after: dict[str, Any],
+    steps: int,
+    wall: float,
+    budget_minutes: float,
+    k: int,
+    n: int,
+    extra_args: str,
+) -> dict[str, Any]:
+    """The JSONL object of one measured row (a warm-up row adds its own keys to it)."""
+    from rlvr.build import use_bf16
+
     low, high = paired_bootstrap_ci(before["pass1"], after["pass1"])
     acc_before, acc_after = statistics.fmean(before["pass1"]), statistics.fmean(after["pass1"])
     result = {
@@ -201,7 +240,7 @@ def measure(
         "tool_call_rate_after": after["tool_call_rate"],
         "turns_after": after["turns"],
         "eval_errors_after": after["errors"],
-        "steps": summary.steps_done,
+        "steps": steps,
         "train_minutes": wall,
         "budget_minutes": budget_minutes,
         "cpu": cpu_kind(),
@@ -210,9 +249,85 @@ def measure(
         "target": row.target,
         "met": met(row, acc_before, acc_after, wall, after["tool_call_rate"]),
         "command": f"python benchmarks/efficacy.py --rows {row.name} "
-        f"--budget-minutes {budget_minutes:g} --n {n} --k {k}"
-        + "".join(f" --set {e}" for e in extra),
+        f"--budget-minutes {budget_minutes:g} --n {n} --k {k}" + extra_args,
     }
+    print(f"[{row.name}] {json.dumps(result)}", flush=True)
+    return result
+
+
+def measure_warmup(
+    row: Row,
+    budget_minutes: float,
+    n: int,
+    k: int,
+    runs_dir: Path,
+    extra: list[str],
+    warmup_extra: list[str],
+) -> dict[str, Any]:
+    """A warm-up row: the pipeline's stages before its RL stage, timed; then the RL stage with the
+    rest of the budget; the base, the warm-up's model and the end scored on the same held-out
+    instances. `extra` goes to the RL stage (`model.name=` is the pipeline's start model and other
+    `model.*` keys go to every stage); `warmup_extra` to the stages before it."""
+    from rlvr.evaluate_cli import load_model
+    from rlvr.models import load_policy
+    from rlvr.observe.tracking import read_metrics
+    from rlvr.pipeline import first_rl_config, load_pipeline_config, run_pipeline
+
+    path = EXAMPLES / row.config
+    run_dir = runs_dir / row.name
+    if run_dir.exists():  # a fresh measurement: finished stages of an old one must not be reused
+        run_dir.rename(run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
+    start_model = [e.split("=", 1)[1] for e in extra if e.startswith("model.name=")]
+    rl_extra = [e for e in extra if not e.startswith("model.name=")]
+    every_stage = [e for e in rl_extra if e.startswith("model.")]  # e.g. model.bf16
+
+    def load(rl_minutes: float) -> Any:
+        stages = load_pipeline_config(path).stages
+        rl = next(i for i, s in enumerate(stages) if s.kind == "rl")
+        sets = [
+            f"output_dir={run_dir}",
+            "eval.each_stage=false",
+            *(f"model={m}" for m in start_model),
+        ]
+        for i in range(rl):
+            sets += [
+                f"stages.{i}.config.{e}" for e in ("progress=false", *every_stage, *warmup_extra)
+            ]
+        rl_sets = [*row.overrides, *RL_RUN_OVERRIDES, f"train.time_limit_minutes={rl_minutes}",
+                   *rl_extra]  # fmt: skip
+        return load_pipeline_config(path, sets + [f"stages.{rl}.config.{e}" for e in rl_sets]), rl
+
+    cfg, rl = load(budget_minutes)
+    rl_name = cfg.stages[rl].name
+    rl_cfg = first_rl_config(cfg, EXAMPLES)
+    assert rl_cfg is not None
+    print(f"[{row.name}] base model on {n} held-out instances...", flush=True)
+    before = per_instance_scores(load_policy(cfg.model), rl_cfg, EXAMPLES, n, k)
+    print(f"[{row.name}] before: pass@1 {statistics.fmean(before['pass1']):.1%}", flush=True)
+    warm_rows = run_pipeline(cfg, config_dir=EXAMPLES, stop_before=rl_name)
+    warm_minutes = sum(r.get("wall_minutes", 0.0) for r in warm_rows)
+    warm = per_instance_scores(load_policy(warm_rows[-1]["model_dir"]), rl_cfg, EXAMPLES, n, k)
+    print(f"[{row.name}] after warm-up: pass@1 {statistics.fmean(warm['pass1']):.1%}", flush=True)
+    cfg, _ = load(max(budget_minutes - warm_minutes, 1.0))
+    rl_row = run_pipeline(cfg, config_dir=EXAMPLES)[-1]
+    policy, _ = load_model(str(run_dir / rl_name))
+    after = per_instance_scores(policy, rl_cfg, EXAMPLES, n, k)
+    steps = max((m["step"] for m in read_metrics(run_dir / rl_name) if "loss" in m), default=0)
+    args = "".join(f" --set {e}" for e in extra) + "".join(
+        f" --warmup-set {e}" for e in warmup_extra
+    )
+    wall = warm_minutes + rl_row["wall_minutes"]
+    result = row_result(row, rl_cfg, before, after, steps, wall, budget_minutes, k, n, args)
+    low, high = paired_bootstrap_ci(warm["pass1"], after["pass1"])
+    acc_warm = statistics.fmean(warm["pass1"])
+    result.update({
+        "after_warmup": acc_warm,
+        f"mean@{k}_after_warmup": warm.get(f"mean@{k}"),
+        "rl_gain": result["after"] - acc_warm,
+        "rl_gain_ci95": [low, high],
+        "warmup_minutes": warm_minutes,
+        "warmup_metrics": {key: v for r in warm_rows[1:] for key, v in r["metrics"].items()},
+    })  # fmt: skip
     print(f"[{row.name}] {json.dumps(result)}", flush=True)
     return result
 
@@ -249,24 +364,39 @@ def render(results: list[dict[str, Any]]) -> str:
         "split is disjoint by construction), and no setting was tuned on them. Rows are measured one",
         "at a time on a 2-core CPU; `train min` is training wall time, evals excluded.",
         "",
-        "| task | target | n | before | after | gain (95% CI) | mean@k before -> after | tool calls | turns | steps | train min | met | CPU; precision | command |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Rows ending \"format warm-up, then RL\" run a pipeline (examples/env_*_warmup.yaml): SFT on",
+        "demonstrations of random legal actions played on train instances (rlvr.envs.demos; they",
+        "teach the answer format, not the task), then the RL. `after warm-up` is the SFT model alone,",
+        "so the gain RL adds is shown apart (\"RL alone\", against the warm-up); their `train min`",
+        "includes the warm-up.",
+        "",
+        "| task | target | n | before | after warm-up | after | gain (95% CI) | mean@k before -> after | tool calls | turns | steps | train min | met | CPU; precision | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for row in ROWS:
         r = newest.get(row.name)
         if r is None:
-            lines.append(f"| {row.task} | {row.target} | not measured yet | | | | | | | | | | | |")
+            lines.append(f"| {row.task} | {row.target} | not measured yet |{' |' * 12}")
             continue
         k = r["k"]
+        warm = r.get("after_warmup")
         mean_k = (
-            f"{r[f'mean@{k}_before']:.1%} -> {r[f'mean@{k}_after']:.1%} (k={k})"
+            f"{r[f'mean@{k}_before']:.1%} -> "
+            + (f"{r[f'mean@{k}_after_warmup']:.1%} -> " if warm is not None else "")
+            + f"{r[f'mean@{k}_after']:.1%} (k={k})"
             if r.get(f"mean@{k}_before") is not None
             else ""
         )
         low, high = r["gain_ci95"]
+        gain = f"{100 * r['gain']:+.1f} pts ({100 * low:+.1f}, {100 * high:+.1f})"
+        if warm is not None:
+            rl_low, rl_high = r["rl_gain_ci95"]
+            gain += (
+                f"; RL alone {100 * r['rl_gain']:+.1f} ({100 * rl_low:+.1f}, {100 * rl_high:+.1f})"
+            )
         lines.append(
-            f"| {r['task']} | {r['target']} | {r['n']} | {r['before']:.1%} | {r['after']:.1%} | "
-            f"{100 * r['gain']:+.1f} pts ({100 * low:+.1f}, {100 * high:+.1f}) | {mean_k} | "
+            f"| {r['task']} | {r['target']} | {r['n']} | {r['before']:.1%} | "
+            f"{'' if warm is None else f'{warm:.1%}'} | {r['after']:.1%} | {gain} | {mean_k} | "
             f"{r['tool_call_rate_after']:.0%} | {r['turns_after']:.1f} | {r['steps']} | "
             f"{r['train_minutes']:.1f} | {'yes' if r['met'] else 'no'} | {r['cpu']}; "
             f"{r.get('precision', PRECISION_BEFORE_IT_WAS_RECORDED)} | "
@@ -293,6 +423,13 @@ def main() -> None:
         "--set", dest="extra", action="append", default=[], help="more overrides (key=value)"
     )
     parser.add_argument(
+        "--warmup-set",
+        dest="warmup_extra",
+        action="append",
+        default=[],
+        help="overrides of a warm-up row's stages before RL (e.g. train.steps=8)",
+    )
+    parser.add_argument(
         "--render-only", action="store_true", help="rewrite --out from --results, measure nothing"
     )
     args = parser.parse_args()
@@ -305,8 +442,12 @@ def main() -> None:
         raise SystemExit(f"unknown rows {unknown}; --list shows them")
     if not args.render_only:
         for name in args.rows:
-            result = measure(
-                BY_NAME[name], args.budget_minutes, args.n, args.k, args.runs_dir, args.extra
+            row = BY_NAME[name]
+            measure_args = (row, args.budget_minutes, args.n, args.k, args.runs_dir, args.extra)
+            result = (
+                measure_warmup(*measure_args, args.warmup_extra)
+                if row.pipeline
+                else measure(*measure_args)
             )
             with args.results.open("a") as f:
                 f.write(json.dumps(result) + "\n")

@@ -81,3 +81,35 @@ def test_one_row_end_to_end_on_the_tiny_model(efficacy: ModuleType, tmp_path: Pa
     assert "| arithmetic, 2-digit addition (the demo) | >= 80% in <= 10 min | 6 |" in table
     assert "--set model.name=tiny-random" in table  # the command that produced the row
     assert "| calculator, 1 operation | >= 90%, tool used in >= 95% | not measured yet |" in table
+
+
+@pytest.mark.slow
+def test_a_warmup_row_reports_the_warmup_apart(efficacy: ModuleType, tmp_path: Path) -> None:
+    """frozenlake-warmup on the tiny model: the pipeline's SFT format warm-up (env demos), then
+    RL; the row has the warm-up's own held-out number, RL's gain over it, and minutes that count
+    both. The tiny model's numbers mean nothing; the bookkeeping is what is checked."""
+    results, out = tmp_path / "results.jsonl", tmp_path / "efficacy.md"
+    argv = [
+        "efficacy.py", "--rows", "frozenlake-warmup", "--n", "3", "--k", "1",
+        "--budget-minutes", "5", "--runs-dir", str(tmp_path / "runs"), "--results", str(results),
+        "--out", str(out), "--set", "model.name=tiny-random", "--set", "model.bf16='off'",
+        "--set", "train.steps=1", "--set", "rollout.max_turns=2",
+        "--warmup-set", "train.steps=2", "--warmup-set", "train.max_length=4096",
+    ]  # fmt: skip
+    old = sys.argv
+    sys.argv = argv
+    try:
+        efficacy.main()
+    finally:
+        sys.argv = old
+    (row,) = [json.loads(line) for line in results.read_text().splitlines()]
+    assert row["row"] == "frozenlake-warmup" and row["n"] == 3 and row["steps"] == 1
+    assert 0.0 <= row["after_warmup"] <= 1.0
+    assert row["rl_gain"] == pytest.approx(row["after"] - row["after_warmup"])
+    assert row["rl_gain_ci95"][0] <= row["rl_gain"] <= row["rl_gain_ci95"][1]
+    assert 0 < row["warmup_minutes"] <= row["train_minutes"]
+    assert row["warmup_metrics"]["demos/rows"] > 0
+    assert "--warmup-set train.steps=2" in row["command"]
+    table = out.read_text()
+    line = next(li for li in table.splitlines() if li.startswith("| frozenlake 4x4, not slippery;"))
+    assert "RL alone" in line and line.count("|") == 16  # 15 columns
