@@ -54,11 +54,19 @@ class SkinnyLinear(TorchFunctionMode):
             rows = x.numel() // max(1, x.shape[-1]) if x.dim() >= 2 else self.max_rows + 1
             if rows <= self.max_rows and x.dtype == weight.dtype and weight.dim() == 2:
                 self.calls += 1
-                out = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().contiguous()
-                if bias is not None:
-                    out = out + bias
-                return out.reshape(*x.shape[:-1], weight.shape[0])
+                return skinny_linear(x, weight, bias)
         return func(*args, **kwargs)
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` computed as `(W @ x^T)^T`: x (..., in), weight (out, in) ->
+    (..., out), contiguous. Faster than `x @ W^T` here when x has few rows (module docstring)."""
+    out = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().contiguous()
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @contextlib.contextmanager
@@ -67,27 +75,20 @@ def merged_lora(model: Any) -> Iterator[int]:
     block (no gradient: generation only). Yields how many layers were merged (0 for a model without
     adapters, or with adapters disabled: the reference policy). Layers with a LoRA variant (DoRA...)
     or already merged by peft keep their own forward."""
-    try:
-        from peft.tuners.lora.layer import Linear as LoraLinear
-    except ImportError:  # peft is a dependency, but a plain model needs none of this
+    lora_linear = _lora_linear_class()
+    if lora_linear is None:
         yield 0
         return
     patched: list[Any] = []
     try:
         with torch.no_grad():
             for module in model.modules():
-                if not isinstance(module, LoraLinear) or module.merged or module.disable_adapters:
+                if not isinstance(module, lora_linear) or module.merged or module.disable_adapters:
                     continue
-                adapters = [a for a in module.active_adapters if a in module.lora_A]
-                base = module.get_base_layer()
-                if any(a in module.lora_variant for a in adapters) or not isinstance(
-                    base, torch.nn.Linear
-                ):
+                merged = merged_linear(module)
+                if merged is None:
                     continue
-                weight = base.weight
-                for adapter in adapters:
-                    weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
-                module.forward = _merged_forward(weight, base.bias)  # type: ignore[method-assign]
+                module.forward = _merged_forward(*merged)
                 patched.append(module)
         yield len(patched)
     finally:
@@ -100,3 +101,45 @@ def _merged_forward(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
         return F.linear(x, weight, bias)
 
     return forward
+
+
+def _lora_linear_class() -> Any:
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError:  # peft is a dependency, but a plain model needs none of this
+        return None
+    return LoraLinear
+
+
+def mergeable(module: Any) -> bool:
+    """Whether `merged_linear` can say what `module` computes: a plain `nn.Linear`, or a peft LoRA
+    linear layer over one whose active adapters are plain LoRA (not a variant such as DoRA)."""
+    if isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward:
+        return True
+    lora_linear = _lora_linear_class()
+    if lora_linear is None or not isinstance(module, lora_linear):
+        return False
+    if not isinstance(module.get_base_layer(), torch.nn.Linear):
+        return False
+    return not any(a in module.lora_variant for a in module.active_adapters)
+
+
+def merged_linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The (weight (out, in), bias (out,) or None) that `module` applies: a plain `nn.Linear`'s own
+    tensors, or for a peft LoRA linear layer `W + scale * B @ A` summed over its active adapters (its
+    base weight alone when adapters are disabled or already merged into it). None when not
+    `mergeable` (a LoRA variant, a quantized or wrapped layer): the caller keeps that layer's own
+    forward. Call under `torch.no_grad()`; a merged weight is a new tensor, the base is never
+    written."""
+    if not mergeable(module):
+        return None
+    if isinstance(module, torch.nn.Linear):
+        return module.weight, module.bias
+    base = module.get_base_layer()
+    if module.merged or module.disable_adapters:
+        return base.weight, base.bias
+    weight = base.weight
+    for adapter in module.active_adapters:
+        if adapter in module.lora_A:
+            weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+    return weight, base.bias
