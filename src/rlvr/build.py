@@ -95,6 +95,16 @@ def build_policy(cfg: RunConfig) -> Policy:
     )
 
 
+def decode_options(cfg: RunConfig) -> dict[str, Any]:
+    """HFGenerator's `decode` and `decode_dtype` from `generator.decode` / `generator.decode_dtype`
+    (dtype auto: None, which HFGenerator resolves as its bf16 autocast setting)."""
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    return {
+        "decode": cfg.generator.decode,
+        "decode_dtype": dtypes.get(cfg.generator.decode_dtype),
+    }
+
+
 def build_generator(policy: Policy, cfg: RunConfig) -> HFGenerator:
     return HFGenerator(
         policy.model,
@@ -104,6 +114,7 @@ def build_generator(policy: Policy, cfg: RunConfig) -> HFGenerator:
         autocast_bf16=use_bf16(cfg.model),
         turn_cache=cfg.generator.turn_cache,
         turn_cache_mb=cfg.generator.turn_cache_mb,
+        **decode_options(cfg),
     )
 
 

@@ -197,6 +197,20 @@ class GeneratorConfig(_Section):
         description="Memory cap of the turn cache (MiB); episodes past it re-prefill their "
         "conversation next turn.",
     )
+    decode: Literal["hf", "fast"] = Field(
+        "hf",
+        description="hf backend: whose forward samples. hf = transformers' layers; fast = rlvr's "
+        "own decode path for Llama/SmolLM2 and Qwen2/Qwen3 (static KV cache, fused QKV and "
+        "gate/up, LoRA merged into a weight copy refreshed after every update; tested token for "
+        "token against hf), falling back to hf for other models and inside multi-turn turn-cache "
+        "sessions (rollout/fast_decode.py).",
+    )
+    decode_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="decode: fast, the weight copy's dtype: bfloat16 halves the bytes a decode "
+        "step reads (activations stay float32); auto = bfloat16 exactly when model.bf16 resolves "
+        "on, else float32.",
+    )
 
 
 class DistributedConfig(_Section):

@@ -7,7 +7,10 @@ the batch until the longest one ends, and prefills each prompt once per sample. 
 - matmuls run under bf16 autocast when asked (about 4x the fp32 rate on these CPUs), while the
   softmax / log-probs are taken in fp32;
 - with `turn_cache`, inside `turn_session` (the engine's multi-turn rollouts) each conversation's
-  KV cache is kept from one turn to the next, so a turn prefills only its new tokens (turn_cache.py).
+  KV cache is kept from one turn to the next, so a turn prefills only its new tokens (turn_cache.py);
+- with `decode="fast"`, Llama/Qwen2/Qwen3 models run rlvr's own forward over a static KV cache from
+  a fused (optionally bf16) copy of the weights instead of HF's layers (fast_decode.py); other
+  models, and calls inside a turn session, keep HF's forward.
 Sampling draws from a `torch.Generator` owned by this object, whose state is checkpointed, so a resumed
 run samples exactly what the uninterrupted run would have.
 """
@@ -15,12 +18,14 @@ run samples exactly what the uninterrupted run would have.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import torch
 from transformers import DynamicCache
 
+from rlvr.rollout.fast_decode import DecodeWeights, StaticDecode, decline_reason, lora_state
 from rlvr.rollout.fastlinear import SkinnyLinear, merged_lora
 from rlvr.rollout.generator import Completion, SamplingParams
 from rlvr.rollout.turn_cache import (
@@ -30,6 +35,7 @@ from rlvr.rollout.turn_cache import (
     extract_rows,
     merge_batches,
     past_from_entries,
+    weights_fingerprint,
 )
 
 
@@ -102,8 +108,58 @@ def shared_prefix_groups(
     ]
 
 
+class Decoder(Protocol):
+    """One chunk's forward and KV cache: HF's (`HFDecode`) or rlvr's static one (`StaticDecode`)."""
+
+    def forward(
+        self, input_ids_B_T: torch.Tensor, attention_B_C: torch.Tensor, positions_B_T: torch.Tensor
+    ) -> torch.Tensor:
+        """Append T columns per row to the cache; the last column's logits (B, V)."""
+        ...
+
+    def repeat_interleave(self, n: int) -> None: ...
+
+    def select(self, index_B: torch.Tensor) -> None: ...
+
+
+class HFDecode:
+    """HF's forward over a DynamicCache: bf16 autocast when asked, `W @ x^T` matmuls while decoding."""
+
+    def __init__(self, generator: HFGenerator, cache: DynamicCache | None = None) -> None:
+        self.generator = generator
+        self.cache = cache if cache is not None else DynamicCache()
+
+    def forward(
+        self, input_ids_B_T: torch.Tensor, attention_B_C: torch.Tensor, positions_B_T: torch.Tensor
+    ) -> torch.Tensor:
+        g = self.generator
+        decoding = g._decode_context() if input_ids_B_T.shape[1] == 1 else contextlib.nullcontext()
+        with g._autocast(), decoding:
+            out = g.model(
+                input_ids=input_ids_B_T,
+                attention_mask=attention_B_C,
+                position_ids=positions_B_T,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return out.logits[:, -1, :]
+
+    def repeat_interleave(self, n: int) -> None:
+        if n > 1:
+            self.cache.batch_repeat_interleave(n)
+
+    def select(self, index_B: torch.Tensor) -> None:
+        self.cache.batch_select_indices(index_B)
+
+
 class HFGenerator:
-    """Generator over an in-process HF causal LM (a plain model or a peft wrapper)."""
+    """Generator over an in-process HF causal LM (a plain model or a peft wrapper).
+
+    `decode`: "hf" runs HF's forward; "fast" runs fast_decode.py's for the architectures it
+    supports (else HF's, with a warning naming why: `fast_decode_declined`). `decode_dtype` is the
+    fast path's weight copy: float32, or bfloat16 (None: bfloat16 exactly when `autocast_bf16`).
+    """
 
     def __init__(
         self,
@@ -119,6 +175,8 @@ class HFGenerator:
         merge_lora: bool = True,
         turn_cache: bool = False,
         turn_cache_mb: float = 1024.0,
+        decode: Literal["hf", "fast"] = "hf",
+        decode_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -134,6 +192,12 @@ class HFGenerator:
         self.turn_cache_mb = turn_cache_mb
         self.turns: TurnCache | None = None  # open inside `turn_session` (turn_cache.py)
         self._kept: list[tuple[tuple[int, ...], Entry]] = []
+        self.decode = decode
+        self.decode_dtype = decode_dtype or (torch.bfloat16 if autocast_bf16 else torch.float32)
+        self.fast_decode_declined: str | None = None  # why the fast path is not taken
+        self._fast: DecodeWeights | None = None  # the fast path's weights for this call
+        self._fast_weights: DecodeWeights | None = None
+        self._fast_key: Any = None  # the policy weights' fingerprint that `_fast_weights` copies
 
     @contextlib.contextmanager
     def turn_session(self) -> Iterator[TurnCache | None]:
@@ -157,6 +221,31 @@ class HFGenerator:
     def set_state(self, state: torch.Tensor) -> None:
         self.rng.set_state(state)
 
+    def refresh_weights(self) -> None:
+        """The policy's weights changed (the trainer calls this after each update and on resume):
+        the fast path's copy is rebuilt at the next `generate`. A fingerprint of the weights is
+        checked before every call as well, so a write without this call is seen too."""
+        self._fast = self._fast_weights = None
+        self._fast_key = None
+
+    def _fast_decode_weights(self) -> DecodeWeights | None:
+        """The fast path's weight copy for this call, rebuilt when the weights changed; None when
+        HF's forward runs (decode "hf", a turn session, a model the fast path declines)."""
+        if self.decode != "fast" or self.turns is not None:
+            return None
+        reason = decline_reason(self.model)  # every call: a hook may come and go
+        if reason is not None and reason != self.fast_decode_declined:
+            warnings.warn(f"decode: fast falls back to HF's forward: {reason}", stacklevel=3)
+        self.fast_decode_declined = reason
+        if reason is not None:
+            return None
+        key = (weights_fingerprint(self.model), lora_state(self.model))
+        if self._fast_key != key:
+            self._fast = self._fast_weights = None  # the old copy goes before the new one is built
+            self._fast_weights = DecodeWeights.build(self.model, self.decode_dtype)
+            self._fast_key = key
+        return self._fast_weights
+
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_bf16:
             return torch.autocast("cpu", dtype=torch.bfloat16)
@@ -176,6 +265,7 @@ class HFGenerator:
         if self.turns is not None:
             self.turns.check_weights(self.model)
         self._kept = []
+        self._fast = self._fast_decode_weights()
         out: list[list[Completion]] = []
         for start in range(0, len(prompts), prompts_per_chunk):
             out.extend(self._generate_chunk(prompts[start : start + prompts_per_chunk], sampling))
@@ -191,8 +281,10 @@ class HFGenerator:
         was_training = self.model.training
         self.model.eval()
         try:
-            # LoRA adapters as one merged matmul per layer while sampling (fastlinear.py)
-            with merged_lora(self.model) if self.merge_lora else contextlib.nullcontext():
+            # LoRA adapters as one merged matmul per layer while sampling (fastlinear.py); the fast
+            # path's copy has them merged already.
+            merge = self.merge_lora and self._fast is None
+            with merged_lora(self.model) if merge else contextlib.nullcontext():
                 return self._sample(prompts, sampling)
         finally:
             self.model.train(was_training)
@@ -204,15 +296,19 @@ class HFGenerator:
         num_prompts = len(prompts)
         if min(len(p) for p in prompts) == 0:
             raise ValueError("cannot generate from an empty prompt")
+        decoder: Decoder
         if self.turns is not None:
-            logits_P_V, mask_P_L, next_pos_P, cache = self._prefill_turns(prompts, self.turns)
+            logits_P_V, mask_P_L, next_pos_P, decoder = self._prefill_turns(prompts, self.turns)
         else:
-            cache = DynamicCache()
-            logits_P_V, mask_P_L, next_pos_P = self._prefill(prompts, cache)
-        keep_rows = self.turns is not None and cacheable(cache)
+            if self._fast is not None:
+                decoder = StaticDecode(self._fast, reserve=sampling.max_new_tokens)
+            else:
+                decoder = HFDecode(self)
+            logits_P_V, mask_P_L, next_pos_P = self._prefill(prompts, decoder)
+        cache = decoder.cache if isinstance(decoder, HFDecode) else None
+        keep_rows = self.turns is not None and cache is not None and cacheable(cache)
         # One prefill per prompt; its cache is shared by the prompt's n samples.
-        if n > 1:
-            cache.batch_repeat_interleave(n)
+        decoder.repeat_interleave(n)
         logits_B_V = logits_P_V.repeat_interleave(n, dim=0)
         mask_B_L = mask_P_L.repeat_interleave(n, dim=0)
         next_pos_B = next_pos_P.repeat_interleave(n, dim=0)
@@ -238,31 +334,23 @@ class HFGenerator:
                 else:
                     keep.append(b)
             if not keep or step == sampling.max_new_tokens - 1:
-                if keep_rows:
+                if keep_rows and cache is not None:
                     self._keep(cache, mask_B_L, range(len(active)), active, prompts, tokens, n)
                 break
             if len(keep) < len(active):
-                if keep_rows:
+                if keep_rows and cache is not None:
                     kept = set(keep)
                     done = [b for b in range(len(active)) if b not in kept]
                     self._keep(cache, mask_B_L, done, active, prompts, tokens, n)
                 # Drop finished rows from the batch and the KV cache right away.
                 index = torch.tensor(keep, dtype=torch.long)
-                cache.batch_select_indices(index)
+                decoder.select(index)
                 new_tokens_B = new_tokens_B[index]
                 mask_B_L = mask_B_L[index]
                 next_pos_B = next_pos_B[index]
                 active = [active[b] for b in keep]
             mask_B_L = torch.cat([mask_B_L, torch.ones((len(active), 1), dtype=torch.long)], dim=1)
-            with self._autocast(), self._decode_context():
-                out = self.model(
-                    input_ids=new_tokens_B[:, None],
-                    attention_mask=mask_B_L,
-                    position_ids=next_pos_B[:, None],
-                    cache=cache,
-                    use_cache=True,
-                )
-            logits_B_V = out.logits[:, -1, :]
+            logits_B_V = decoder.forward(new_tokens_B[:, None], mask_B_L, next_pos_B[:, None])
             next_pos_B = next_pos_B + 1
 
         completions = [
@@ -294,7 +382,7 @@ class HFGenerator:
 
     def _prefill_turns(
         self, prompts: Sequence[Sequence[int]], turns: TurnCache
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HFDecode]:
         """`_prefill`, but prompts that extend a stored conversation prefill only their new tokens;
         the others take the plain path and the two batches are stacked (masked left padding)."""
         matches = [turns.match(p) for p in prompts]
@@ -308,45 +396,47 @@ class HFGenerator:
             e.length for e in reused if e is not None
         )
         if not hit:
-            cache = DynamicCache()
-            return (*self._prefill(prompts, cache), cache)
+            decoder = HFDecode(self)
+            return (*self._prefill(prompts, decoder), decoder)
         entries = [e for e in reused if e is not None]
         past, past_mask, past_length = past_from_entries(entries)
         tails = [list(prompts[i][e.length :]) for i, e in zip(hit, entries, strict=True)]
-        logits, mask, next_pos = self._prefill_plain(tails, past, past_mask, past_length)
+        logits, mask, next_pos = self._prefill_plain(
+            tails, HFDecode(self, past), past_mask, past_length
+        )
         if not miss:
-            return logits, mask, next_pos, past
-        fresh = DynamicCache()
+            return logits, mask, next_pos, HFDecode(self, past)
+        fresh = HFDecode(self)
         logits_m, mask_m, next_m = self._prefill([prompts[i] for i in miss], fresh)
-        cache, mask = merge_batches((past, mask), (fresh, mask_m))
+        cache, mask = merge_batches((past, mask), (fresh.cache, mask_m))
         inverse = torch.argsort(torch.tensor(hit + miss))  # back to prompt order
         cache.batch_select_indices(inverse)
         return (
             torch.cat([logits, logits_m])[inverse],
             mask[inverse],
             torch.cat([next_pos, next_m])[inverse],
-            cache,
+            HFDecode(self, cache),
         )
 
     def _prefill(
-        self, prompts: Sequence[Sequence[int]], cache: DynamicCache
+        self, prompts: Sequence[Sequence[int]], decoder: Decoder
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Run the prompts into `cache`; returns (last logits (P, V), attention mask (P, L), next
+        """Run the prompts into `decoder`'s cache; returns (last logits (P, V), attention mask (P, L), next
         position (P,)). Consecutive prompts that share a long prefix (the G conversations of one
         task after its first turn) prefill that prefix once, then only their own suffixes."""
         groups = shared_prefix_groups(prompts, self.min_shared_prefix)
         if all(len(members) == 1 for _, members in groups):
-            return self._prefill_plain(prompts, cache)
+            return self._prefill_plain(prompts, decoder)
         prefixes = [list(prompts[members[0]][:length]) for length, members in groups]
-        _, prefix_mask_Q_L, prefix_next_Q = self._prefill_plain(prefixes, cache)
+        _, prefix_mask_Q_L, prefix_next_Q = self._prefill_plain(prefixes, decoder)
         row_prefix = [q for q, (_, members) in enumerate(groups) for _ in members]
         index = torch.tensor(row_prefix, dtype=torch.long)
-        cache.batch_select_indices(index)
+        decoder.select(index)
         suffixes = [list(prompts[i][length:]) for length, members in groups for i in members]
         # Suffixes left-padded after their prefix: the padding sits in the middle, masked out.
         return self._prefill_plain(
             suffixes,
-            cache,
+            decoder,
             past_mask=prefix_mask_Q_L.index_select(0, index),
             past_length=prefix_next_Q.index_select(0, index),
         )
@@ -354,11 +444,11 @@ class HFGenerator:
     def _prefill_plain(
         self,
         prompts: Sequence[Sequence[int]],
-        cache: DynamicCache,
+        decoder: Decoder,
         past_mask: torch.Tensor | None = None,
         past_length: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-pad and run `prompts` (continuing rows already in `cache` when `past_mask`, (P, Lc),
+        """Left-pad and run `prompts` (continuing rows already in `decoder`'s cache when `past_mask`, (P, Lc),
         and `past_length`, (P,) real tokens so far, are given)."""
         # Left padding, so the newest token of every row sits in the last column.
         max_len = max(len(p) for p in prompts)
@@ -374,16 +464,8 @@ class HFGenerator:
             attention_P_L = torch.cat([past_mask, mask_P_L], dim=1)
             positions_P_L = positions_P_L + past_length[:, None]
             next_P = next_P + past_length
-        with self._autocast():
-            out = self.model(
-                input_ids=input_ids_P_L,
-                attention_mask=attention_P_L,
-                position_ids=positions_P_L,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        return out.logits[:, -1, :], attention_P_L, next_P
+        logits_P_V = decoder.forward(input_ids_P_L, attention_P_L, positions_P_L)
+        return logits_P_V, attention_P_L, next_P
 
     def _hit_stop(self, row_tokens: list[int], stops: tuple[str, ...]) -> bool:
         # Decode the whole row (microseconds at these lengths): a tail of a few tokens can miss a stop

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlvr.build import use_bf16
+from rlvr.build import decode_options, use_bf16
 from rlvr.config import RunConfig
 from rlvr.errors import ConfigError
 from rlvr.models import Policy, eos_token_ids
@@ -119,6 +119,7 @@ class RolloutPlan:
             autocast_bf16=use_bf16(self.cfg.model),
             turn_cache=self.cfg.generator.turn_cache,
             turn_cache_mb=self.cfg.generator.turn_cache_mb,
+            **decode_options(self.cfg),
         )
 
     def _rollout(self, tasks: list[Task], generator: Generator) -> list[Group]:
@@ -199,6 +200,12 @@ class RolloutPlan:
         if self.async_ is not None:
             self.async_.publish(self.policy)
         self._refresh_copy()
+        self._refresh_decode_weights()
+
+    def _refresh_decode_weights(self) -> None:
+        """The in-process generator's fast-decode weight copy (generator.decode: fast) is stale."""
+        if isinstance(self.generator, HFGenerator):
+            self.generator.refresh_weights()
 
     def _refresh_copy(self) -> None:
         if self.copy_model is not None:
@@ -225,6 +232,7 @@ class RolloutPlan:
             self.async_.publish(self.policy)
         if self.copy_model is not None:
             load_trainable_state(self.copy_model, trainable_state(self.policy.model))
+        self._refresh_decode_weights()
 
     def evaluate(self, default: Any) -> dict[str, float]:
         """Held-out eval: the agent's for an external run, else `default()` (the engine's)."""
