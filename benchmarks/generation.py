@@ -1,13 +1,26 @@
-"""rlvr's HFGenerator against transformers' `generate`, same model, prompts and sampling settings.
+"""rlvr's HFGenerator (HF's forward, and rlvr's own fast decode path) against transformers'
+`generate`, same model, prompts and sampling settings.
 
 Both sample `--prompts` x `--n` rows (batch 64 by default) of up to `--max-new-tokens` tokens at
 temperature 1 (no top-k, no top-p) from SmolLM2-135M-Instruct. `generate` gets the prompts repeated
 n times, left-padded, `num_return_sequences`-style; rlvr gets each prompt once (it prefills a prompt
 once for its n samples, drops finished rows, and also returns every token's log-prob, which the
 `generate` call here does not compute). Tokens counted: sampled tokens up to and including EOS. The
-order alternates (hf, rlvr, hf, rlvr, ...) so both see the same machine load; the last line is
+order alternates (hf, rlvr, fast, fast-bf16, hf, rlvr, ...) so all see the same machine load:
+
+    hf          model.generate (bf16 autocast where `model.bf16: auto` would pick it)
+    rlvr        HFGenerator, HF's forward (decode "hf", the default), same autocast
+    fast        HFGenerator(decode="fast"): rlvr's decode path, float32 weight copy
+    fast-bf16   the same with a bfloat16 weight copy (where the CPU has native bf16,
+                `cpu_has_bf16()`, or with --bf16-copy: elsewhere bf16 matmuls are ~8x slower)
+
+Each row also prints the weights' GB/s: bytes of weight matrices one decode step reads (the fast
+path's copy, or the model's linear layers for the HF paths, whose autocast reads them as fp32) x
+decode steps (the longest completion) / the whole call's seconds, prefill included, so a lower
+bound on the decode steps' own rate. The last lines are
 
     generation_tokens_per_s_ratio_rlvr_over_hf=X
+    generation_tokens_per_s_ratio_fast_over_rlvr=Y
 
 Usage: python benchmarks/generation.py [--repeats 2] [--prompts 8] [--n 8] [--max-new-tokens 64]
 A measuring instrument, not a test: read the ratio, the machine is shared and noisy.
@@ -30,12 +43,16 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--bf16-copy", action="store_true", help="run fast-bf16 even without native bf16"
+    )
     args = parser.parse_args()
 
-    from rlvr.build import native_bf16
+    from rlvr.build import cpu_has_bf16, native_bf16
     from rlvr.config import ArithmeticConfig
     from rlvr.models import eos_token_ids, load_policy
     from rlvr.rollout.chat import render_prompt_ids
+    from rlvr.rollout.fast_decode import DecodeWeights
     from rlvr.rollout.generator import SamplingParams
     from rlvr.rollout.hf import HFGenerator
     from rlvr.tasks import arithmetic_tasks
@@ -48,15 +65,34 @@ def main() -> None:
     prompts = [render_prompt_ids(tokenizer, [dict(m) for m in t.messages]) for t in tasks]
     bf16 = native_bf16()  # as `model.bf16: auto` decides for training runs
 
-    def run_rlvr() -> tuple[int, float]:
-        generator = HFGenerator(model, tokenizer, eos, seed=0, autocast_bf16=bf16)
-        sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)
-        t0 = time.perf_counter()
-        groups = generator.generate(prompts, sampling)
-        seconds = time.perf_counter() - t0
-        return sum(len(c.token_ids) for g in groups for c in g), seconds
+    # Weight bytes a decode step reads: the linear layers (the head once, tied or not) as stored.
+    linear_bytes = sum(
+        m.weight.numel() * m.weight.element_size()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+    )
+    step_bytes = {
+        "hf": linear_bytes,
+        "rlvr": linear_bytes,
+        "fast": DecodeWeights.build(model, torch.float32).bytes_per_step,
+        "fast-bf16": DecodeWeights.build(model, torch.bfloat16).bytes_per_step,
+    }
 
-    def run_hf() -> tuple[int, float]:
+    def rlvr_runner(decode: str, dtype: torch.dtype | None) -> Any:
+        def run() -> tuple[int, int, float]:
+            generator = HFGenerator(
+                model, tokenizer, eos, seed=0, autocast_bf16=bf16, decode=decode, decode_dtype=dtype
+            )
+            sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)
+            t0 = time.perf_counter()
+            groups = generator.generate(prompts, sampling)
+            seconds = time.perf_counter() - t0
+            lengths = [len(c.token_ids) for g in groups for c in g]
+            return sum(lengths), max(lengths) - 1, seconds
+
+        return run
+
+    def run_hf() -> tuple[int, int, float]:
         rows = [p for p in prompts for _ in range(args.n)]
         width = max(len(r) for r in rows)
         pad = int(tokenizer.pad_token_id)
@@ -86,22 +122,42 @@ def main() -> None:
                 tokens += 1
                 if token in eos:
                     break
-        return tokens, seconds
+        return tokens, new.shape[1] - 1, seconds
 
-    rates: dict[str, list[float]] = {"hf": [], "rlvr": []}
+    runners = {
+        "hf": run_hf,
+        "rlvr": rlvr_runner("hf", None),
+        "fast": rlvr_runner("fast", torch.float32),
+    }
+    if cpu_has_bf16() or args.bf16_copy:
+        runners["fast-bf16"] = rlvr_runner("fast", torch.bfloat16)
+    rates: dict[str, list[float]] = {name: [] for name in runners}
+    bandwidth: dict[str, list[float]] = {name: [] for name in runners}
     for repeat in range(args.repeats):
-        for name, fn in (("hf", run_hf), ("rlvr", run_rlvr)):
-            tokens, seconds = fn()
+        for name, fn in runners.items():
+            tokens, steps, seconds = fn()
             rates[name].append(tokens / seconds)
+            bandwidth[name].append(step_bytes[name] * steps / seconds / 1e9)
             print(
-                f"repeat {repeat} {name:>4}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s"
+                f"repeat {repeat} {name:>9}: {tokens} tokens in {seconds:.1f} s = "
+                f"{tokens / seconds:.1f} tok/s, weights >= {bandwidth[name][-1]:.2f} GB/s "
+                f"({step_bytes[name] / 1e6:.0f} MB a step)"
             )
-    hf, rlvr = statistics.median(rates["hf"]), statistics.median(rates["rlvr"])
+    median = {name: statistics.median(r) for name, r in rates.items()}
     print(
         f"batch {args.prompts * args.n} rows, {args.max_new_tokens} new tokens, bf16={bf16}: "
-        f"hf {hf:.1f} tok/s, rlvr {rlvr:.1f} tok/s"
+        + ", ".join(
+            f"{name} {median[name]:.1f} tok/s ({statistics.median(bandwidth[name]):.2f} GB/s)"
+            for name in runners
+        )
     )
-    print(f"generation_tokens_per_s_ratio_rlvr_over_hf={rlvr / hf:.2f}")
+    print(f"generation_tokens_per_s_ratio_rlvr_over_hf={median['rlvr'] / median['hf']:.2f}")
+    print(f"generation_tokens_per_s_ratio_fast_over_rlvr={median['fast'] / median['rlvr']:.2f}")
+    if "fast-bf16" in median:
+        print(
+            "generation_tokens_per_s_ratio_fast_bf16_over_rlvr="
+            f"{median['fast-bf16'] / median['rlvr']:.2f}"
+        )
 
 
 if __name__ == "__main__":
