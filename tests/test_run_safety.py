@@ -404,6 +404,9 @@ def test_an_interrupted_offline_stage_checkpoints_and_resumes_exactly(
 
     whole = train_sft(cfg("whole"), rows=rows)
     original_log = Tracker.log
+    # What the stage must restore: Python's default handler, or SIG_IGN where the test process
+    # started with SIGINT ignored (a background job of a non-interactive shell, `nohup make test &`).
+    handler_before = signal.getsignal(signal.SIGINT)
 
     def ctrl_c_during_step_2(self: Tracker, metrics: dict[str, Any], step: int) -> None:
         original_log(self, metrics, step)
@@ -415,7 +418,7 @@ def test_an_interrupted_offline_stage_checkpoints_and_resumes_exactly(
         train_sft(cfg("split"), rows=rows)
     assert err.value.exit_code == 130
     assert (tmp_path / "split" / "checkpoints" / "step-000002" / "rng.json").exists()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert signal.getsignal(signal.SIGINT) is handler_before  # handlers restored
     monkeypatch.setattr(Tracker, "log", original_log)
     resumed = train_sft(cfg("split"), rows=rows, resume=True)
     assert [h["step"] for h in resumed.history] == [1, 2, 3, 4]
