@@ -134,8 +134,10 @@ def test_torchrun_trains_the_whole_loop(
     Precision: model.bf16 auto, resolved by the ranks as here (RLVR_AUTO_BF16 reaches them)."""
     run_dir = tmp_path / strategy
     cmd = [
+        # --tee 3: each rank's stdout and stderr, prefixed, in ours, so a rank's own error shows
+        # in the assertion message (torchrun alone reports only its exit signal).
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "rlvr.cli", "train", str(tiny_config_dir / "tiny.yaml"),
+        "--tee", "3", "-m", "rlvr.cli", "train", str(tiny_config_dir / "tiny.yaml"),
         "--output-dir", str(run_dir),
         "--set", f"model.name={tiny_model_dir}", "--set", "train.steps=3",
         "--set", "tracking.progress=false", "--set", "checkpoint.every=3", "--set", "eval.n=4",
@@ -143,7 +145,7 @@ def test_torchrun_trains_the_whole_loop(
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-6000:]
     assert done.stdout.count("run directory:") == 1  # one summary, from rank 0
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
