@@ -33,6 +33,24 @@ def tiny_config_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.fixture()
+def lora_policy(tiny_model_dir: Path) -> object:
+    """The tiny model with LoRA adapters (r 4) whose B matrices are nonzero, so the adapters change
+    the outputs (fresh peft adapters start with B = 0); in eval mode."""
+    import torch
+
+    from rlvr.models import LoraSettings, load_policy
+
+    policy = load_policy(str(tiny_model_dir), lora=LoraSettings(r=4, alpha=8, dropout=0.0))
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    policy.model.eval()
+    return policy
+
+
 @pytest.fixture(autouse=True)
 def _auto_precision_needs_the_mark(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch

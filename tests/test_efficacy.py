@@ -14,6 +14,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_efficacy(efficacy: ModuleType, argv: list[str]) -> None:
+    """benchmarks/efficacy.py's main() with `argv` as its command line."""
+    old = sys.argv
+    sys.argv = argv
+    try:
+        efficacy.main()
+    finally:
+        sys.argv = old
+
+
 @pytest.fixture(scope="module")
 def efficacy() -> ModuleType:
     spec = importlib.util.spec_from_file_location("efficacy", ROOT / "benchmarks" / "efficacy.py")
@@ -66,12 +76,7 @@ def test_one_row_end_to_end_on_the_tiny_model(efficacy: ModuleType, tmp_path: Pa
         "--set", "model.name=tiny-random", "--set", "model.bf16='off'",
         "--set", "train.steps=2", "--set", "sampling.max_new_tokens=6",
     ]  # fmt: skip
-    old = sys.argv
-    sys.argv = argv
-    try:
-        efficacy.main()
-    finally:
-        sys.argv = old
+    run_efficacy(efficacy, argv)
     (row,) = [json.loads(line) for line in results.read_text().splitlines()]
     assert row["row"] == "arithmetic" and row["n"] == 6 and row["steps"] == 2
     assert 0.0 <= row["before"] <= 1.0 and 0.0 <= row["after"] <= 1.0
@@ -96,12 +101,7 @@ def test_a_warmup_row_reports_the_warmup_apart(efficacy: ModuleType, tmp_path: P
         "--set", "train.steps=1", "--set", "rollout.max_turns=2",
         "--warmup-set", "train.steps=2", "--warmup-set", "train.max_length=4096",
     ]  # fmt: skip
-    old = sys.argv
-    sys.argv = argv
-    try:
-        efficacy.main()
-    finally:
-        sys.argv = old
+    run_efficacy(efficacy, argv)
     (row,) = [json.loads(line) for line in results.read_text().splitlines()]
     assert row["row"] == "frozenlake-warmup" and row["n"] == 3 and row["steps"] == 1
     assert 0.0 <= row["after_warmup"] <= 1.0

@@ -275,16 +275,9 @@ def test_the_copy_follows_the_policy_after_an_update() -> None:
 
 
 @pytest.fixture()
-def lora_model(tiny_model_dir: Path) -> Any:
-    from rlvr.models import LoraSettings
-
-    policy = load_policy(str(tiny_model_dir), lora=LoraSettings(r=4, alpha=8, dropout=0.0))
-    gen = torch.Generator().manual_seed(4)
-    with torch.no_grad():  # nonzero B, so the adapters change the outputs
-        for name, p in policy.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    return policy.model.eval()
+def lora_model(lora_policy: Any) -> Any:
+    """conftest's LoRA policy's model (nonzero B: the adapters change the outputs)."""
+    return lora_policy.model
 
 
 def test_lora_is_merged_into_the_copy(lora_model: Any) -> None:

@@ -245,20 +245,7 @@ def test_untied_or_frozen_embeddings_stay_dense() -> None:
 
 
 # --------------------------------------------------------------------------------- merged LoRA
-@pytest.fixture()
-def lora_policy(tiny_model_dir: Path) -> Any:
-    from rlvr.models import LoraSettings
-
-    policy = load_policy(str(tiny_model_dir), lora=LoraSettings(r=4, alpha=8, dropout=0.0))
-    gen = torch.Generator().manual_seed(4)
-    with torch.no_grad():  # nonzero B, so the adapters change the outputs
-        for name, p in policy.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    policy.model.eval()
-    return policy
-
-
+# (the `lora_policy` fixture: tests/conftest.py)
 def test_merged_lora_gives_the_adapted_outputs_and_writes_nothing(lora_policy: Any) -> None:
     from rlvr.rollout.fastlinear import merged_lora
 
