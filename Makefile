@@ -41,11 +41,14 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # Measuring instruments, not tests (docs/performance.md). `bench`: rlvr vs TRL step time, peak RSS and
-# MFU (full and LoRA, ~15 min), then generation vs HF generate (~3 min). `bench-all` adds the G x length
-# scaling sweep (~20 min), learning per wall-clock against TRL (~30 min) and 1 vs 2 Ray rollout
-# workers on env-bound rollouts (~2 min, docs/scaling.md).
+# MFU (full and LoRA; TRL in fp32 and, on CPUs with avx512_bf16 / amx_bf16, bf16; rlvr at its defaults
+# and with decode=fast; ~30 min), then generation vs HF generate (~3 min). Each table is headed by the
+# CPU (lscpu model name, native bf16 flags), torch threads, commit and date (benchmarks/_machine.py).
+# `bench-all` adds the G x length scaling sweep (~20 min), learning per wall-clock against TRL
+# (~30 min) and 1 vs 2 Ray rollout workers on env-bound rollouts (~2 min, docs/scaling.md).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/vs_trl.py
+	$(BIN)/python benchmarks/_machine.py
 	$(BIN)/python benchmarks/generation.py
 
 bench-all: bench

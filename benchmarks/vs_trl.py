@@ -1,24 +1,40 @@
 """rlvr against TRL's GRPOTrainer: same model, task, group size, prompts per step, max new tokens, beta, lr.
 
-Speed and memory (default): each (framework, mode) runs a few steps in its own subprocess, so peak RSS
-is that run's alone; the order alternates (trl, rlvr, trl, rlvr) within one invocation, so both see
+Speed and memory (default): each run (framework, mode, precision) is a few steps in its own
+subprocess, so peak RSS is that run's alone; TRL and rlvr alternate within one invocation, so both see
 the same machine load. Step time is the median over the steps after the first (which pays one-off
-costs). Each framework runs at its own defaults for everything the shared settings leave open (rlvr:
-micro-batches of 8 trajectories; `--rlvr-set KEY=VALUE` overrides). The machine's fp32 matmul peak is
-measured before and after, and rlvr's update is reported as achieved model GFLOP/s and MFU against
-it. The last line printed is
+costs). Per mode (full fine-tuning, LoRA) the runs are:
 
-    step_time_ratio_trl_over_rlvr=X peak_rss_ratio_rlvr_over_trl=Y        (full fine-tuning)
+    TRL, bf16=False          fp32
+    TRL, bf16=True           TRL's own default (autocast, fp32 weights); run where the CPU has
+                             avx512_bf16 / amx_bf16 (`--trl-bf16 auto`); on an AVX2-only CPU bf16 is
+                             ~8x slower, so there only with `--trl-bf16 on`
+    rlvr, defaults           every setting the shared ones leave open at rlvr's default
+    rlvr, decode=fast        + `generator.decode=fast` and `generator.decode_dtype=bfloat16` (its
+                             bf16 sampling copy) where the CPU has native bf16, else `float32`
+                             (`--rlvr-fast auto|bfloat16|float32|off`)
+
+Every ratio is against TRL's FASTER precision in that mode; the output says which one that was. The
+machine's fp32 matmul peak is measured before and after, and rlvr's update is reported as achieved
+model GFLOP/s and MFU against it. The header states the CPU (lscpu model name, native bf16 flags),
+torch threads, commit and date (benchmarks/_machine.py); then a Markdown table of every run side by
+side (benchmarks/_vs_trl_report.py), a line per mode naming the TRL run the ratios use, and last
+
+    step_time_ratio_trl_over_rlvr=X peak_rss_ratio_rlvr_over_trl=Y ...       (full fine-tuning)
+
+(`_fast` fields: the decode=fast row; `trl_reference`: fp32 or bf16).
 
 Learning per wall-clock (`--learning`): each framework trains full fine-tuning for the same budget
 (`--budget-minutes`, counted from its first step; G=8 x 2 prompts, 32 new tokens, lr 1e-5 constant,
-beta 0, T=1), then both final models are scored by the same evaluator (rlvr's: greedy, 32 new tokens,
-the first `--eval-n` held-out problems). The last line is
+beta 0, T=1; TRL in fp32), then both final models are scored by the same evaluator (rlvr's: greedy,
+32 new tokens, the first `--eval-n` held-out problems). The last line is
 
     heldout_accuracy_trl=X heldout_accuracy_rlvr=Y after_minutes=B
 
 Usage: python benchmarks/vs_trl.py [--steps 4] [--modes full,lora] [--max-new-tokens 64]
+                                   [--trl-bf16 auto|on|off] [--rlvr-fast auto|bfloat16|float32|off]
        python benchmarks/vs_trl.py --learning [--budget-minutes 10]
+       python benchmarks/vs_trl.py --model tiny-random --steps 2 --modes full   (a smoke run)
 This is a measuring instrument, not a test: numbers on a shared 2-core machine are noisy; read ratios.
 """
 
@@ -33,7 +49,26 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any
+
+from _machine import has_native_bf16, machine, matmul_peak_gflops
+from _vs_trl_report import (
+    RLVR_FAST_CHOICES,
+    TRL_BF16_CHOICES,
+    Results,
+    bf16_skip_reason,
+    fast_variant,
+    format_fields,
+    parse_spec,
+    ratio_fields,
+    reference_line,
+    render_table,
+    rlvr_overrides,
+    run_label,
+    trl_variants,
+    worker_specs,
+)
 
 
 def _prompts(n: int) -> list[dict[str, Any]]:
@@ -48,8 +83,10 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def run_trl(args: argparse.Namespace, lora: bool) -> dict[str, Any]:
+def run_trl(args: argparse.Namespace, lora: bool, bf16: bool) -> dict[str, Any]:
     import datasets
+    import torch
+    import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -95,7 +132,7 @@ def run_trl(args: argparse.Namespace, lora: bool) -> dict[str, Any]:
         logging_steps=1,
         report_to="none",
         use_cpu=True,
-        bf16=False,
+        bf16=bf16,
         save_strategy="no",
         seed=0,
     )
@@ -106,7 +143,8 @@ def run_trl(args: argparse.Namespace, lora: bool) -> dict[str, Any]:
         peft_config = LoraConfig(
             r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"
         )
-    model = AutoModelForCausalLM.from_pretrained(path)
+    # fp32 weights either way, as TRL loads a model id itself (bf16=True is autocast over them).
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=correct,
@@ -125,10 +163,13 @@ def run_trl(args: argparse.Namespace, lora: bool) -> dict[str, Any]:
         else float("nan"),
         "peak_rss_mb": _peak_rss_mb(),
         "gradient_checkpointing": config.gradient_checkpointing,
+        "precision": "bf16 autocast, fp32 weights" if bf16 else "fp32",
+        "trl_version": trl.__version__,
     }
 
 
-def run_rlvr(args: argparse.Namespace, lora: bool) -> dict[str, Any]:
+def run_rlvr(args: argparse.Namespace, lora: bool, variant: str) -> dict[str, Any]:
+    from rlvr.build import use_bf16
     from rlvr.config import load_config
     from rlvr.observe.tracking import read_metrics
     from rlvr.train.loop import train
@@ -153,9 +194,23 @@ def run_rlvr(args: argparse.Namespace, lora: bool) -> dict[str, Any]:
             "tracking.progress=false",
             f"output_dir={out_dir}",
             *args.rlvr_set,
+            *rlvr_overrides(variant),
         ],
     )
-    train(cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(cfg)
+    # HFGenerator warns when `decode: fast` falls back to HF's forward (an unsupported model).
+    declined = [str(w.message) for w in caught if "falls back to HF's forward" in str(w.message)]
+    autocast = use_bf16(cfg.model)
+    precision = "bf16 autocast" if autocast else "fp32"
+    if cfg.generator.decode == "fast":
+        dtype = cfg.generator.decode_dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if autocast else "float32"
+        precision += f"; sampling: own decode, {dtype} weight copy"
+        if declined:
+            precision += f" DECLINED ({declined[0]})"
     metrics = [m for m in read_metrics(out_dir) if "step_time" in m]
     steady = metrics[1:] or metrics
     return {
@@ -165,6 +220,7 @@ def run_rlvr(args: argparse.Namespace, lora: bool) -> dict[str, Any]:
         "rollout_s": statistics.median(m["rollout_time"] for m in steady),
         "update_s": statistics.median(m["update_time"] for m in steady),
         "update_gflops_per_s": statistics.median(m["perf/update_gflops_per_s"] for m in steady),
+        "precision": precision,
     }
 
 
@@ -280,6 +336,7 @@ def learn_rlvr(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def learning(args: argparse.Namespace, passthrough: list[str]) -> None:
+    print("\n".join(machine().header()))
     print(
         f"model {args.model}, 2-digit addition, {LEARNING_SETTINGS}; budget {args.budget_minutes} min "
         f"each; held-out: rlvr's evaluator, greedy, first {args.eval_n} problems",
@@ -308,29 +365,18 @@ def learning(args: argparse.Namespace, passthrough: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------- plumbing
-def matmul_peak_gflops(seconds: float = 3.0) -> float:
-    """The best fp32 rate of a 2048^2 matmul over `seconds` (the machine's practical peak)."""
-    import torch
-
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    best, end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t0 = time.perf_counter()
-        a @ b
-        best = max(best, 2 * 2048**3 / (time.perf_counter() - t0) / 1e9)
-    return best
-
-
 def worker(args: argparse.Namespace) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    framework, mode = args.worker.split(":")
+    framework, mode, variant = parse_spec(args.worker)
     if mode == "learn":
         if framework == "base":
             result = {"steps": 0, "accuracy": heldout_accuracy(args.model, args.eval_n)}
         else:
             result = (learn_trl if framework == "trl" else learn_rlvr)(args)
+    elif framework == "trl":
+        result = run_trl(args, lora=mode == "lora", bf16=variant == "bf16")
     else:
-        result = (run_trl if framework == "trl" else run_rlvr)(args, lora=mode == "lora")
+        result = run_rlvr(args, lora=mode == "lora", variant=variant)
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -350,6 +396,66 @@ def _subprocess(worker_spec: str, passthrough: list[str]) -> dict[str, Any] | No
     return result
 
 
+def speed(args: argparse.Namespace, passthrough: list[str]) -> None:
+    modes = args.modes.split(",")
+    native = has_native_bf16()
+    trl = trl_variants(args.trl_bf16, native)
+    fast = fast_variant(args.rlvr_fast, native)
+    header = machine().header()
+    print("\n".join(header), flush=True)
+    peaks = [matmul_peak_gflops()]
+    print(
+        f"model {args.model}, 2-digit addition, {args.prompts_per_step} prompts x G={args.group_size}, "
+        f"{args.max_new_tokens} new tokens, beta {args.beta}, lr {args.lr}, {args.steps} steps "
+        f"(median of 2..N); TRL precisions: {', '.join(trl)} (--trl-bf16 {args.trl_bf16}); "
+        f"rlvr rows: default{', ' + fast if fast else ''} (--rlvr-fast {args.rlvr_fast}); "
+        f"rlvr overrides: {args.rlvr_set or 'none'}",
+        flush=True,
+    )
+    results: Results = {}
+    for spec in worker_specs(modes, trl, fast):
+        t0 = time.time()
+        result = _subprocess(spec, passthrough)
+        if result is None:
+            continue
+        key = parse_spec(spec)
+        results[key] = r = result
+        extra = ""
+        if key[0] == "rlvr":
+            extra = (
+                f"  [rollout {r['rollout_s']:.1f} s, update {r['update_s']:.1f} s at "
+                f"{r['update_gflops_per_s']:.0f} GFLOP/s]"
+            )
+        print(
+            f"{key[1]:5s} {run_label(key[0], key[2], r):38s} {r['s_per_step']:7.2f} s/step  "
+            f"{r['tokens_per_s']:7.1f} tok/s  peak RSS {r['peak_rss_mb']:7.0f} MB   "
+            f"(wall {time.time() - t0:.0f} s; {r['precision']}){extra}",
+            flush=True,
+        )
+    peaks.append(matmul_peak_gflops())
+    peak = max(peaks)
+    print()
+    print("\n".join(header))
+    print("\n".join(render_table(results, modes)))
+    print(
+        f"fp32 matmul peak (2048^2, best of 3 s, before/after): {peaks[0]:.0f} / {peaks[1]:.0f} GFLOP/s"
+    )
+    for (framework, mode, variant), r in results.items():
+        if framework == "rlvr":
+            rate = r["update_gflops_per_s"]
+            print(
+                f"{mode}: {run_label(framework, variant, r)}: update {rate:.0f} GFLOP/s = MFU "
+                f"{rate / peak:.0%} of {peak:.0f}"
+            )
+    for mode in modes:
+        print(reference_line(results, mode, bf16_skip_reason(trl, args.trl_bf16, results, mode)))
+    for mode in modes:
+        if fields := ratio_fields(results, mode):
+            print(f"{mode}: {format_fields(fields)}")
+    if "full" in modes and (fields := ratio_fields(results, "full")):
+        print(format_fields(fields))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -364,6 +470,19 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--modes", default="full,lora")
+    parser.add_argument(
+        "--trl-bf16",
+        choices=TRL_BF16_CHOICES,
+        default="auto",
+        help="also run TRL with bf16=True: auto = where /proc/cpuinfo has avx512_bf16 or amx_bf16",
+    )
+    parser.add_argument(
+        "--rlvr-fast",
+        choices=RLVR_FAST_CHOICES,
+        default="auto",
+        help="the rlvr row with generator.decode=fast and this decode_dtype: auto = bfloat16 "
+        "where the CPU has native bf16, else float32",
+    )
     parser.add_argument("--learning", action="store_true", help="learning per wall-clock instead")
     parser.add_argument("--budget-minutes", type=float, default=10.0)
     parser.add_argument("--eval-n", type=int, default=200)
@@ -392,54 +511,7 @@ def main() -> None:
         learning(args, passthrough)
         return
 
-    peaks = [matmul_peak_gflops()]
-    print(
-        f"model {args.model}, 2-digit addition, {args.prompts_per_step} prompts x G={args.group_size}, "
-        f"{args.max_new_tokens} new tokens, beta {args.beta}, lr {args.lr}, {args.steps} steps "
-        f"(median of 2..N); rlvr overrides: {args.rlvr_set or 'none'}",
-        flush=True,
-    )
-    results: dict[tuple[str, str], dict[str, Any]] = {}
-    for mode in args.modes.split(","):
-        for framework in ("trl", "rlvr"):
-            t0 = time.time()
-            result = _subprocess(f"{framework}:{mode}", passthrough)
-            if result is None:
-                continue
-            results[(framework, mode)] = r = result
-            extra = ""
-            if framework == "rlvr":
-                extra = (
-                    f"  [rollout {r['rollout_s']:.1f} s, update {r['update_s']:.1f} s at "
-                    f"{r['update_gflops_per_s']:.0f} GFLOP/s]"
-                )
-            print(
-                f"{framework:5s} {mode:5s}  {r['s_per_step']:7.2f} s/step  {r['tokens_per_s']:7.1f} tok/s  "
-                f"peak RSS {r['peak_rss_mb']:7.0f} MB   (wall {time.time() - t0:.0f} s){extra}",
-                flush=True,
-            )
-    peaks.append(matmul_peak_gflops())
-    peak = max(peaks)
-    print(
-        f"fp32 matmul peak (2048^2, best of 3 s, before/after): {peaks[0]:.0f} / {peaks[1]:.0f} GFLOP/s"
-    )
-    for mode in args.modes.split(","):
-        if ("rlvr", mode) in results:
-            rate = results[("rlvr", mode)]["update_gflops_per_s"]
-            print(f"{mode}: rlvr update {rate:.0f} GFLOP/s = MFU {rate / peak:.0%} of {peak:.0f}")
-    for mode in args.modes.split(","):
-        if ("trl", mode) in results and ("rlvr", mode) in results:
-            trl, ours = results[("trl", mode)], results[("rlvr", mode)]
-            print(
-                f"{mode}: step_time_ratio_trl_over_rlvr={trl['s_per_step'] / ours['s_per_step']:.2f} "
-                f"peak_rss_ratio_rlvr_over_trl={ours['peak_rss_mb'] / trl['peak_rss_mb']:.2f}"
-            )
-    if ("trl", "full") in results and ("rlvr", "full") in results:
-        trl, ours = results[("trl", "full")], results[("rlvr", "full")]
-        print(
-            f"step_time_ratio_trl_over_rlvr={trl['s_per_step'] / ours['s_per_step']:.2f} "
-            f"peak_rss_ratio_rlvr_over_trl={ours['peak_rss_mb'] / trl['peak_rss_mb']:.2f}"
-        )
+    speed(args, passthrough)
 
 
 if __name__ == "__main__":
