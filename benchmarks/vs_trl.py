@@ -1,5 +1,8 @@
 """rlvr against TRL's GRPOTrainer: same model, task, group size, prompts per step, max new tokens, beta, lr.
 
+(Over 500 lines on purpose: the speed and the learning modes share one worker launch and one model
+and task set-up; the pure report logic already lives in _vs_trl_report.py.)
+
 Speed and memory (default): each run (framework, mode, precision) is a few steps in its own
 subprocess, so peak RSS is that run's alone; TRL and rlvr alternate within one invocation, so both see
 the same machine load. Step time is the median over the steps after the first (which pays one-off
