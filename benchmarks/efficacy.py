@@ -16,6 +16,9 @@ warm-up on demonstrations of random legal actions played on the RL config's trai
 of the budget. It also scores the warm-up's model alone (`after warm-up`), so the gain RL adds over
 the format is reported apart (`rl_gain`); its training minutes include the warm-up.
 
+The base model's per-instance results are cached (benchmarks/_efficacy_cache.py says under what key):
+a row re-measured with other hyper-parameters then says `base: cached (<key prefix>)`.
+
 Held-out instances come from each env family's own split (disjoint from training by construction,
 tested per family in tests/test_env_*.py); nothing here is tuned on them: the configs are the
 examples as committed. Each finished row is appended to `--results` (JSONL, one object per row and
@@ -23,18 +26,20 @@ run), and `--out` (docs/efficacy.md) is regenerated from the newest result of ev
 can be measured in separate invocations: the table is the instrument's output, never hand-edited.
 
 Usage: python benchmarks/efficacy.py [--rows arithmetic calculator-1op ...] [--budget-minutes 30]
-       [--n 200] [--k 4] [--list] [--warmup-set train.steps=8]
+       [--n 200] [--k 4] [--list] [--warmup-set train.steps=8] [--no-base-cache]
        (`make efficacy` runs every row: hours on 2 cores)
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import platform
 import random
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +47,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(ROOT / "benchmarks"))  # its sibling module, however this file was loaded
+import _efficacy_cache as base_cache  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -170,6 +177,27 @@ def per_instance_scores(policy: Any, cfg: Any, config_dir: Path, n: int, k: int)
     return out
 
 
+def score_base(model: str, cfg: Any, n: int, k: int) -> dict[str, Any]:
+    """per_instance_scores of the base model (what the cache stands in for)."""
+    from rlvr.models import load_policy
+
+    return per_instance_scores(load_policy(model), cfg, EXAMPLES, n, k)
+
+
+def base_scores(row: Row, cfg: Any, model: str, n: int, k: int, cache: Any) -> tuple[dict, str]:
+    """The base model's per-instance scores, from `cache` (a base_cache.Cache) when stored under
+    their key, and how they were had (`cached (<key prefix>)` or `scored (...)`)."""
+    source = inspect.getsource(per_instance_scores)
+    key = base_cache.base_key(cfg, model, n, k, EXAMPLES, source, cpu_kind())
+    print(f"[{row.name}] base model on {n} held-out instances...", flush=True)
+    before, how = base_cache.cached_base(
+        row.name, key, k, cache, lambda: score_base(model, cfg, n, k)
+    )
+    print(f"[{row.name}] base: {how}", flush=True)
+    print(f"[{row.name}] before: pass@1 {statistics.fmean(before['pass1']):.1%}", flush=True)
+    return before, how
+
+
 # What every RL run of a row is told, whatever the config says: no in-run evals, no step
 # checkpoints, the row's time budget.
 RL_RUN_OVERRIDES = ("eval.at_start=false", "eval.at_end=false", "eval.every=0",
@@ -177,12 +205,18 @@ RL_RUN_OVERRIDES = ("eval.at_start=false", "eval.at_end=false", "eval.every=0",
 
 
 def measure(
-    row: Row, budget_minutes: float, n: int, k: int, runs_dir: Path, extra: list[str]
+    row: Row,
+    budget_minutes: float,
+    n: int,
+    k: int,
+    runs_dir: Path,
+    extra: list[str],
+    cache: Any = None,
 ) -> dict[str, Any]:
-    """Before, train, after for one row; `extra` are more `--set` overrides (tests use a tiny model)."""
+    """Before, train, after for one row; `extra` are more `--set` overrides (tests use a tiny model);
+    `cache`: the base results' base_cache.Cache (None: not cached)."""
     from rlvr.config import load_config
     from rlvr.evaluate_cli import load_model
-    from rlvr.models import load_policy
     from rlvr.train.loop import train
 
     config_path = EXAMPLES / row.config
@@ -195,16 +229,14 @@ def measure(
         *extra,
     ]
     cfg = load_config(config_path, overrides)
-    print(f"[{row.name}] base model on {n} held-out instances...", flush=True)
-    before = per_instance_scores(load_policy(cfg.model.name), cfg, EXAMPLES, n, k)
-    print(f"[{row.name}] before: pass@1 {statistics.fmean(before['pass1']):.1%}", flush=True)
+    before, how = base_scores(row, cfg, cfg.model.name, n, k, cache)
     started = time.time()
-    summary = train(cfg, config_dir=EXAMPLES, overwrite=True)
+    steps = train(cfg, config_dir=EXAMPLES, overwrite=True).steps_done
     wall = (time.time() - started) / 60
     policy, _ = load_model(str(run_dir))
     after = per_instance_scores(policy, cfg, EXAMPLES, n, k)
     args = "".join(f" --set {e}" for e in extra)
-    return row_result(row, cfg, before, after, summary.steps_done, wall, budget_minutes, k, n, args)
+    return row_result(row, cfg, before, after, steps, wall, budget_minutes, k, n, args, how)
 
 
 def row_result(
@@ -218,6 +250,7 @@ def row_result(
     k: int,
     n: int,
     extra_args: str,
+    base: str,
 ) -> dict[str, Any]:
     """The JSONL object of one measured row (a warm-up row adds its own keys to it)."""
     from rlvr.build import use_bf16
@@ -240,6 +273,7 @@ def row_result(
         "tool_call_rate_after": after["tool_call_rate"],
         "turns_after": after["turns"],
         "eval_errors_after": after["errors"],
+        "base": base,
         "steps": steps,
         "train_minutes": wall,
         "budget_minutes": budget_minutes,
@@ -263,11 +297,13 @@ def measure_warmup(
     runs_dir: Path,
     extra: list[str],
     warmup_extra: list[str],
+    cache: Any = None,
 ) -> dict[str, Any]:
     """A warm-up row: the pipeline's stages before its RL stage, timed; then the RL stage with the
     rest of the budget; the base, the warm-up's model and the end scored on the same held-out
     instances. `extra` goes to the RL stage (`model.name=` is the pipeline's start model and other
-    `model.*` keys go to every stage); `warmup_extra` to the stages before it."""
+    `model.*` keys go to every stage); `warmup_extra` to the stages before it. Only the base's
+    scores come from `cache`; the warm-up's model is always scored."""
     from rlvr.evaluate_cli import load_model
     from rlvr.models import load_policy
     from rlvr.observe.tracking import read_metrics
@@ -301,9 +337,7 @@ def measure_warmup(
     rl_name = cfg.stages[rl].name
     rl_cfg = first_rl_config(cfg, EXAMPLES)
     assert rl_cfg is not None
-    print(f"[{row.name}] base model on {n} held-out instances...", flush=True)
-    before = per_instance_scores(load_policy(cfg.model), rl_cfg, EXAMPLES, n, k)
-    print(f"[{row.name}] before: pass@1 {statistics.fmean(before['pass1']):.1%}", flush=True)
+    before, how = base_scores(row, rl_cfg, cfg.model, n, k, cache)
     warm_rows = run_pipeline(cfg, config_dir=EXAMPLES, stop_before=rl_name)
     warm_minutes = sum(r.get("wall_minutes", 0.0) for r in warm_rows)
     warm = per_instance_scores(load_policy(warm_rows[-1]["model_dir"]), rl_cfg, EXAMPLES, n, k)
@@ -317,7 +351,7 @@ def measure_warmup(
         f" --warmup-set {e}" for e in warmup_extra
     )
     wall = warm_minutes + rl_row["wall_minutes"]
-    result = row_result(row, rl_cfg, before, after, steps, wall, budget_minutes, k, n, args)
+    result = row_result(row, rl_cfg, before, after, steps, wall, budget_minutes, k, n, args, how)
     low, high = paired_bootstrap_ci(warm["pass1"], after["pass1"])
     acc_warm = statistics.fmean(warm["pass1"])
     result.update({
@@ -429,6 +463,8 @@ def main() -> None:
         default=[],
         help="overrides of a warm-up row's stages before RL (e.g. train.steps=8)",
     )
+    parser.add_argument("--base-cache", type=Path, help="default: efficacy-cache by --runs-dir")
+    parser.add_argument("--no-base-cache", action="store_true", help="score the base model again")
     parser.add_argument(
         "--render-only", action="store_true", help="rewrite --out from --results, measure nothing"
     )
@@ -441,13 +477,15 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown rows {unknown}; --list shows them")
     if not args.render_only:
+        where = args.base_cache or args.runs_dir.parent / "efficacy-cache"
+        cache = base_cache.Cache(where, refresh=args.no_base_cache)
         for name in args.rows:
             row = BY_NAME[name]
             measure_args = (row, args.budget_minutes, args.n, args.k, args.runs_dir, args.extra)
             result = (
-                measure_warmup(*measure_args, args.warmup_extra)
+                measure_warmup(*measure_args, args.warmup_extra, cache)
                 if row.pipeline
-                else measure(*measure_args)
+                else measure(*measure_args, cache)
             )
             with args.results.open("a") as f:
                 f.write(json.dumps(result) + "\n")

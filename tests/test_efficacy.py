@@ -1,13 +1,17 @@
 """benchmarks/efficacy.py, the instrument behind docs/efficacy.md: its statistics by hand, its
-target rule, and one row end to end on the tiny model (the real rows train SmolLM2 for minutes)."""
+target rule, the cache of the base model's results (with fakes standing in for scoring and
+training), and one row end to end on the tiny model (the real rows train SmolLM2 for minutes)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import statistics
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -82,6 +86,11 @@ def test_one_row_end_to_end_on_the_tiny_model(efficacy: ModuleType, tmp_path: Pa
     assert 0.0 <= row["before"] <= 1.0 and 0.0 <= row["after"] <= 1.0
     assert row["gain_ci95"][0] <= row["gain"] <= row["gain_ci95"][1]
     assert row["mean@2_before"] is not None and row["k"] == 2
+    # The base's real per-instance results went to the cache beside the runs dir, unchanged.
+    assert row["base"].startswith("scored (stored as ")
+    (entry,) = [json.loads(f.read_text()) for f in (tmp_path / "efficacy-cache").glob("*.json")]
+    assert statistics.fmean(entry["scores"]["pass1"]) == row["before"]
+    assert entry["scores"]["mean@2"] == row["mean@2_before"] and len(entry["ids"]) == 6
     table = out.read_text()
     assert "| arithmetic, 2-digit addition (the demo) | >= 80% in <= 10 min | 6 |" in table
     assert "--set model.name=tiny-random" in table  # the command that produced the row
@@ -113,3 +122,274 @@ def test_a_warmup_row_reports_the_warmup_apart(efficacy: ModuleType, tmp_path: P
     table = out.read_text()
     line = next(li for li in table.splitlines() if li.startswith("| frozenlake 4x4, not slippery;"))
     assert "RL alone" in line and line.count("|") == 16  # 15 columns
+
+
+# ---------------------------------------------------------------- the base model's results, cached
+# A fake model directory (what the key hashes is its files; nothing loads it) and a fake scorer
+# standing in for efficacy.score_base, counting its calls: the cache is what these tests check.
+
+
+class FakeScorer:
+    """efficacy.score_base's stand-in: one result per held-out instance, and the rest."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, model: str, cfg: Any, n: int, k: int) -> dict[str, Any]:
+        self.calls += 1
+        count = min(n, cfg.task.env.num_heldout)
+        out: dict[str, Any] = {
+            "n": count,
+            "pass1": [float(i % 3 == 0) for i in range(count)],
+            "tool_call_rate": 1 / 3,  # a float JSON must give back bit for bit
+            "turns": 2.7,
+            "errors": 0,
+        }
+        if k > 1:
+            out[f"mean@{k}"] = 0.1 + 1 / 7
+        return out
+
+
+@pytest.fixture()
+def fake_model(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights v1")
+    return model
+
+
+@pytest.fixture()
+def scorer(efficacy: ModuleType, monkeypatch: pytest.MonkeyPatch) -> FakeScorer:
+    fake = FakeScorer()
+    monkeypatch.setattr(efficacy, "score_base", fake)
+    return fake
+
+
+def lake_config(model: Path, *sets: str) -> Any:
+    """env_frozenlake.yaml (the frozenlake row) on the fake model, with few instances."""
+    from rlvr.config import load_config
+
+    few = [
+        "task.env.num_train=20",
+        "task.env.num_heldout=12",
+        f"model.name={model}",
+        "model.bf16=off",
+    ]
+    return load_config(ROOT / "examples" / "env_frozenlake.yaml", [*few, *sets])
+
+
+def base(
+    efficacy: ModuleType, cfg: Any, model: Path, cache: Path, n: int = 8, k: int = 2, **kw: Any
+) -> tuple[dict[str, Any], str]:
+    """efficacy.base_scores for the frozenlake row; `refresh=True` is `--no-base-cache`."""
+    row = efficacy.BY_NAME["frozenlake"]
+    where = efficacy.base_cache.Cache(cache, **kw)
+    return efficacy.base_scores(row, cfg, str(model), n, k, where)
+
+
+def test_a_second_run_with_the_same_key_reads_the_cache(
+    efficacy: ModuleType, scorer: FakeScorer, fake_model: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    fresh, how = base(efficacy, lake_config(fake_model), fake_model, cache)
+    assert scorer.calls == 1 and how.startswith("scored (stored as ")
+    (entry,) = cache.glob("*.json")
+    again, how = base(efficacy, lake_config(fake_model), fake_model, cache)
+    assert scorer.calls == 1  # the base was not scored again
+    assert how == f"cached ({entry.stem[:12]})" and again == fresh
+    # What a re-measurement changes (training hyper-parameters, the time budget) is not in the key,
+    # nor is the temperature when no sample is drawn (k = 1: greedy only); touching the weights'
+    # file without changing it is not a change either (the key hashes contents, not dates).
+    tuned = lake_config(fake_model, "train.learning_rate=1e-3", "objective.beta=0.3",
+                        "train.steps=3", "sampling.group_size=4", "train.time_limit_minutes=9")  # fmt: skip
+    os.utime(fake_model / "model.safetensors", (1e9, 1e9))
+    assert base(efficacy, tuned, fake_model, cache)[1].startswith("cached (")
+    base(efficacy, lake_config(fake_model), fake_model, cache, k=1)
+    hot = lake_config(fake_model, "sampling.temperature=0.3")
+    assert base(efficacy, hot, fake_model, cache, k=1)[1].startswith("cached (")
+    assert scorer.calls == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "sets", "n", "k"),
+    [
+        ("n", (), 9, 2),
+        ("k", (), 8, 3),
+        ("max new tokens", ("sampling.max_new_tokens=17",), 8, 2),
+        ("eval max new tokens", ("eval.max_new_tokens=33",), 8, 2),
+        ("stop strings", ("sampling.stop=['</answer>']",), 8, 2),
+        ("temperature of mean@k", ("sampling.temperature=0.5",), 8, 2),
+        ("seed of mean@k", ("train.seed=3",), 8, 2),
+        ("max turns", ("rollout.max_turns=2",), 8, 2),
+        ("tool format", ("rollout.tool_format=hermes",), 8, 2),
+        ("bf16", ("model.bf16=on",), 8, 2),
+        ("decode path", ("generator.decode=fast",), 8, 2),
+        ("env option", ("task.env.options.slippery=true",), 8, 2),
+    ],
+)
+def test_a_changed_key_part_scores_the_base_again(
+    efficacy: ModuleType,
+    scorer: FakeScorer,
+    fake_model: Path,
+    tmp_path: Path,
+    change: str,
+    sets: tuple[str, ...],
+    n: int,
+    k: int,
+) -> None:
+    cache = tmp_path / "cache"
+    base(efficacy, lake_config(fake_model), fake_model, cache)
+    _, how = base(efficacy, lake_config(fake_model, *sets), fake_model, cache, n=n, k=k)
+    assert scorer.calls == 2 and how.startswith("scored (stored as "), change
+    assert len(list(cache.glob("*.json"))) == 2
+
+
+def test_changed_model_weights_score_the_base_again(
+    efficacy: ModuleType, scorer: FakeScorer, fake_model: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    base(efficacy, lake_config(fake_model), fake_model, cache)
+    (fake_model / "model.safetensors").write_bytes(b"weights v2")  # same name, same size
+    os.utime(fake_model / "model.safetensors", ns=(10**18, 10**18))
+    _, how = base(efficacy, lake_config(fake_model), fake_model, cache)
+    assert scorer.calls == 2 and how.startswith("scored (")
+    (fake_model / "tokenizer.json").write_text("{}")  # a file more: another model too
+    base(efficacy, lake_config(fake_model), fake_model, cache)
+    assert scorer.calls == 3
+
+
+def test_no_base_cache_scores_again_and_replaces_the_entry(
+    efficacy: ModuleType, scorer: FakeScorer, fake_model: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    base(efficacy, lake_config(fake_model), fake_model, cache)
+    _, how = base(efficacy, lake_config(fake_model), fake_model, cache, refresh=True)
+    assert scorer.calls == 2 and how.startswith("scored (--no-base-cache; stored as ")
+    assert base(efficacy, lake_config(fake_model), fake_model, cache)[1].startswith("cached (")
+    assert scorer.calls == 2 and len(list(cache.glob("*"))) == 1
+
+
+def test_a_model_not_on_disk_is_never_cached(
+    efficacy: ModuleType, scorer: FakeScorer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub id: what its weights are is not known here, so the base is scored every time."""
+    import rlvr.models
+
+    monkeypatch.setattr(rlvr.models, "check_hub_model", lambda name: None)
+    cfg = lake_config(Path("some-org/some-model"))
+    for _ in range(2):
+        _, how = base(efficacy, cfg, Path("some-org/some-model"), tmp_path / "cache")
+        assert how.startswith("scored (not cached: model some-org/some-model is not a directory")
+    assert scorer.calls == 2 and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "one result short", "not an object"])
+def test_a_corrupt_cache_file_is_ignored_with_a_one_line_warning(
+    efficacy: ModuleType,
+    scorer: FakeScorer,
+    fake_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    damage: str,
+) -> None:
+    cache = tmp_path / "cache"
+    fresh, _ = base(efficacy, lake_config(fake_model), fake_model, cache)
+    (entry,) = cache.glob("*.json")
+    text = entry.read_text()
+    if damage == "truncated":
+        entry.write_text(text[: len(text) // 2])
+    elif damage == "one result short":
+        data = json.loads(text)
+        data["scores"]["pass1"].pop()
+        entry.write_text(json.dumps(data))
+    else:
+        entry.write_text("[1, 2]")
+    capsys.readouterr()
+    again, how = base(efficacy, lake_config(fake_model), fake_model, cache)
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: base cache {entry} ignored")
+    assert scorer.calls == 2 and how.startswith("scored (stored as ") and again == fresh
+    assert base(efficacy, lake_config(fake_model), fake_model, cache)[1].startswith("cached (")
+
+
+def test_the_bootstrap_from_cached_results_equals_the_fresh_one(
+    efficacy: ModuleType, scorer: FakeScorer, fake_model: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    fresh, _ = base(efficacy, lake_config(fake_model), fake_model, cache, n=12)
+    cached, how = base(efficacy, lake_config(fake_model), fake_model, cache, n=12)
+    assert how.startswith("cached (") and scorer.calls == 1
+    after = [float(i % 2 == 0) for i in range(12)]
+    assert cached["pass1"] == fresh["pass1"]  # the same instances in the same order
+    ci = efficacy.paired_bootstrap_ci
+    assert ci(cached["pass1"], after) == ci(fresh["pass1"], after)
+    assert cached == fresh  # every number, to the bit (mean@k, tool-call rate)
+
+
+def fake_training(efficacy: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Training, loading and scoring trained models replaced by fakes; returns the policies that
+    per_instance_scores was asked to score (never the base: that goes through score_base)."""
+    import rlvr.evaluate_cli
+    import rlvr.models
+    import rlvr.observe.tracking
+    import rlvr.pipeline
+    import rlvr.train.loop
+
+    scored: list[Any] = []
+
+    def after(policy: Any, cfg: Any, config_dir: Path, n: int, k: int) -> dict[str, Any]:
+        scored.append(policy)
+        return FakeScorer()("trained", cfg, n, k) | {"pass1": [1.0] * min(n, 12)}
+
+    def pipeline(cfg: Any, config_dir: Path, stop_before: str | None = None) -> list[Any]:
+        warm = {"wall_minutes": 0.5, "model_dir": "warm-model", "metrics": {"demos/rows": 4}}
+        return [{"metrics": {}}, warm] + ([] if stop_before else [{"wall_minutes": 1.0}])
+
+    monkeypatch.setattr(efficacy, "per_instance_scores", after)
+    monkeypatch.setattr(rlvr.train.loop, "train", lambda cfg, **_: SimpleNamespace(steps_done=3))
+    monkeypatch.setattr(rlvr.evaluate_cli, "load_model", lambda path: (f"trained:{path}", None))
+    monkeypatch.setattr(rlvr.models, "load_policy", lambda name: f"loaded:{name}")
+    monkeypatch.setattr(rlvr.pipeline, "run_pipeline", pipeline)
+    monkeypatch.setattr(
+        rlvr.observe.tracking, "read_metrics", lambda path: [{"step": 1, "loss": 0}]
+    )
+    return scored
+
+
+@pytest.mark.parametrize("row_name", ["frozenlake", "frozenlake-warmup"])
+def test_a_row_says_its_base_came_from_the_cache(
+    efficacy: ModuleType,
+    scorer: FakeScorer,
+    fake_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    row_name: str,
+) -> None:
+    """main() twice on one row (training faked): the second run's output and JSONL line say the
+    base was cached; a warm-up row's SFT model is scored every time (only the base is cached);
+    --no-base-cache scores the base again."""
+    scored = fake_training(efficacy, monkeypatch)
+    results = tmp_path / "results.jsonl"
+    argv = [
+        "efficacy.py", "--rows", row_name, "--n", "8", "--k", "2", "--runs-dir",
+        str(tmp_path / "runs"), "--results", str(results), "--out", str(tmp_path / "table.md"),
+        "--set", f"model.name={fake_model}", "--set", "task.env.num_train=20",
+        "--set", "task.env.num_heldout=12", "--set", "model.bf16='off'",
+    ]  # fmt: skip
+    for _ in range(2):
+        run_efficacy(efficacy, argv)
+    run_efficacy(efficacy, [*argv, "--no-base-cache"])
+    first, second, third = [json.loads(line) for line in results.read_text().splitlines()]
+    (entry,) = (tmp_path / "efficacy-cache").glob("*.json")  # the default: beside --runs-dir
+    prefix = entry.stem[:12]
+    assert first["base"] == f"scored (stored as {prefix})"
+    assert second["base"] == f"cached ({prefix})"
+    assert third["base"] == f"scored (--no-base-cache; stored as {prefix})"
+    assert f"[{row_name}] base: cached ({prefix})" in capsys.readouterr().out
+    assert scorer.calls == 2  # runs 1 and 3
+    assert first["gain_ci95"] == second["gain_ci95"] and first["before"] == second["before"]
+    warm = [p for p in scored if p == "loaded:warm-model"]
+    assert len(warm) == (3 if row_name.endswith("warmup") else 0)
+    assert len(scored) - len(warm) == 3  # the trained model, every run
