@@ -325,17 +325,6 @@ def test_unsupported_models_fall_back_to_hf() -> None:
         assert_same(out, make_gen(model, "hf").generate(PROMPTS, sampling))
 
 
-def test_turn_sessions_keep_hfs_path() -> None:
-    """Inside a turn session (the cross-turn KV cache) the fast path steps aside."""
-    model = tiny_model("llama")
-    fast = make_gen(model, "fast", turn_cache=True)
-    sampling = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
-    with fast.turn_session():
-        out = fast.generate(PROMPTS, sampling)
-        assert fast._fast is None
-    assert_same(out, make_gen(model, "hf").generate(PROMPTS, sampling))
-
-
 def test_config_switch_reaches_the_generator(tiny_model_dir: Path) -> None:
     from rlvr.build import build_generator, decode_options
     from rlvr.config import RunConfig

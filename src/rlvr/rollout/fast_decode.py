@@ -24,15 +24,22 @@ ids come from the caller (the mask's cumulative sum, as HFGenerator computes the
 two paths see the same positions and the same keys. Tested against HF's forward token for token
 (tests/test_fast_decode.py).
 
+Inside a turn session (the cross-turn cache, turn_cache.py) this path keeps its rows in the same
+store as HF's: `StaticDecode.extract` copies a finished row's real columns out as per-layer
+(kv_heads, length, head_dim) keys and values, `StaticDecode.from_entries` builds the next turn's
+cache from them (left-padded, with room for the new tokens and the decode steps), and
+`stack_decoders` joins those rows with the plain prefill of prompts that missed. HFGenerator drops
+the store when the copy's dtype or the forward changes (`HFGenerator._turn_key`).
+
 `decline_reason(model)` says why a model cannot take this path (another architecture, a sliding
 window, a dynamic RoPE, a LoRA variant, forward hooks); HFGenerator then uses HF's. Not here (yet):
 torch.compile (without `freezing` it gained nothing on CPU, docs/performance.md; the forward takes
-the weights as inputs so it could be compiled without baking them in), the cross-turn cache
-(HFGenerator uses HF's path inside a turn session).
+the weights as inputs so it could be compiled without baking them in).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from rlvr.rollout.fastlinear import mergeable, merged_linear, skinny_linear
+from rlvr.rollout.turn_cache import Entry
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # RoPE types whose inverse frequencies are fixed at load time (HF recomputes "dynamic" and
@@ -262,14 +270,18 @@ class StaticDecode:
         assert rows == self.rows, (rows, self.rows)
         if self.kv is not None and self.kv.shape[4] >= columns:
             return self.kv
-        w = self.w
-        shape = (len(w.layers), 2, rows, w.kv_heads, columns + self.reserve, w.head_dim)
-        # Uninitialised: a column is written (prefill or decode step) before anything reads it.
-        kv = torch.empty(shape, dtype=torch.float32, device=w.embed.device)
+        kv = self._allocate(rows, columns + self.reserve)
         if self.kv is not None:
             kv[:, :, :, :, : self.length] = self.kv[:, :, : self.rows, :, : self.length]
         self.kv = kv
         return kv
+
+    def _allocate(self, rows: int, capacity: int) -> torch.Tensor:
+        """An uninitialised cache: every column is written (a prefill, a decode step, a copy, or zeros
+        for padding) before anything reads it."""
+        w = self.w
+        shape = (len(w.layers), 2, rows, w.kv_heads, capacity, w.head_dim)
+        return torch.empty(shape, dtype=torch.float32, device=w.embed.device)
 
     def _rope(self, positions_B_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (B, T, 1, head_dim) at these positions: the same float32 products and cos/sin
@@ -389,3 +401,61 @@ class StaticDecode:
             )
         self.kv[:, :, :rows, :, : self.length] = gathered
         self.rows = rows
+
+    # The cross-turn cache (turn_cache.py) stores a row as per-layer (kv_heads, length, head_dim)
+    # keys and values: the layout HF's DynamicCache rows have too, and a slice of this cache.
+    def keepable(self) -> bool:
+        return True
+
+    def extract(self, mask_B_C: torch.Tensor, batch_rows: Sequence[int]) -> list[Entry]:
+        """Copies of some rows' real columns (mask 1), as turn_cache.extract_rows does for HF's."""
+        assert self.kv is not None and mask_B_C.shape[1] == self.length, mask_B_C.shape
+        out = []
+        for b in batch_rows:
+            positions = mask_B_C[b].nonzero().squeeze(1)
+            row = self.kv[:, :, b].index_select(3, positions)  # (layers, 2, kv_heads, L, head_dim)
+            out.append(Entry(list(row[:, 0].unbind(0)), list(row[:, 1].unbind(0))))
+        return out
+
+    @classmethod
+    def from_entries(
+        cls, weights: DecodeWeights, entries: Sequence[Entry], reserve: int, extra: int
+    ) -> tuple[StaticDecode, torch.Tensor, torch.Tensor]:
+        """A cache of `entries` as rows, left-padded to the longest (zeros under mask 0: a padded
+        column must be finite), with room for `extra` more columns (the new tokens' prefill), then
+        `reserve`. Returns (decoder, mask (R, W), real length (R,)), as
+        turn_cache.past_from_entries does for HF's path."""
+        lengths = torch.tensor([e.length for e in entries], dtype=torch.long)
+        width = int(lengths.max())
+        mask_R_W = (torch.arange(width)[None, :] >= (width - lengths)[:, None]).long()
+        decoder = cls(weights, reserve)
+        kv = decoder._allocate(len(entries), width + extra + reserve)
+        for r, entry in enumerate(entries):
+            pad = width - entry.length
+            kv[:, :, r, :, :pad] = 0.0
+            kv[:, 0, r, :, pad:width] = torch.stack(entry.keys)
+            kv[:, 1, r, :, pad:width] = torch.stack(entry.values)
+        decoder.kv, decoder.rows, decoder.length = kv, len(entries), width
+        return decoder, mask_R_W, lengths
+
+
+def stack_decoders(
+    a: tuple[StaticDecode, torch.Tensor], b: tuple[StaticDecode, torch.Tensor]
+) -> tuple[StaticDecode, torch.Tensor]:
+    """Two (decoder, mask) batches as one, a's rows then b's, each left-padded (zeros, masked) to
+    the wider, with `reserve` free columns after (turn_cache.merge_batches for HF's path)."""
+    width = max(a[0].length, b[0].length)
+    out = StaticDecode(a[0].w, a[0].reserve)
+    kv = out._allocate(a[0].rows + b[0].rows, width + out.reserve)
+    masks = []
+    start = 0
+    for part, mask in (a, b):
+        assert part.kv is not None and mask.shape == (part.rows, part.length), mask.shape
+        pad = width - part.length
+        rows = slice(start, start + part.rows)
+        kv[:, :, rows, :, :pad] = 0.0
+        kv[:, :, rows, :, pad:width] = part.kv[:, :, : part.rows, :, : part.length]
+        masks.append(torch.cat([mask.new_zeros((part.rows, pad)), mask], dim=1))
+        start += part.rows
+    out.kv, out.rows, out.length = kv, start, width
+    return out, torch.cat(masks)

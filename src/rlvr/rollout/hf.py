@@ -9,8 +9,8 @@ the batch until the longest one ends, and prefills each prompt once per sample. 
 - with `turn_cache`, inside `turn_session` (the engine's multi-turn rollouts) each conversation's
   KV cache is kept from one turn to the next, so a turn prefills only its new tokens (turn_cache.py);
 - with `decode="fast"`, Llama/Qwen2/Qwen3 models run rlvr's own forward over a static KV cache from
-  a fused (optionally bf16) copy of the weights instead of HF's layers (fast_decode.py); other
-  models, and calls inside a turn session, keep HF's forward.
+  a fused (optionally bf16) copy of the weights instead of HF's layers (fast_decode.py), inside turn
+  sessions too (the store's entries fit either cache); other models keep HF's forward.
 Sampling draws from a `torch.Generator` owned by this object, whose state is checkpointed, so a resumed
 run samples exactly what the uninterrupted run would have.
 """
@@ -25,9 +25,16 @@ from typing import Any, Literal, Protocol
 import torch
 from transformers import DynamicCache
 
-from rlvr.rollout.fast_decode import DecodeWeights, StaticDecode, decline_reason, lora_state
+from rlvr.rollout.fast_decode import (
+    DecodeWeights,
+    StaticDecode,
+    decline_reason,
+    lora_state,
+    stack_decoders,
+)
 from rlvr.rollout.fastlinear import SkinnyLinear, merged_lora
 from rlvr.rollout.generator import Completion, SamplingParams
+from rlvr.rollout.sampling import inverse_cdf_sample, sample_from_logits, shared_prefix_groups
 from rlvr.rollout.turn_cache import (
     Entry,
     TurnCache,
@@ -38,74 +45,7 @@ from rlvr.rollout.turn_cache import (
     weights_fingerprint,
 )
 
-
-def sample_from_logits(
-    logits_B_V: torch.Tensor, sampling: SamplingParams, rng: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; returns (tokens_B, logprobs_B) with log-probs of the tempered softmax.
-
-    Greedy when temperature == 0 (log-probs then from the untempered softmax).
-    """
-    logits_B_V = logits_B_V.float()
-    if sampling.temperature == 0:
-        logprobs_B_V = torch.log_softmax(logits_B_V, dim=-1)
-        tokens_B = logprobs_B_V.argmax(dim=-1)
-        return tokens_B, logprobs_B_V.gather(1, tokens_B[:, None]).squeeze(1)
-    logprobs_B_V = torch.log_softmax(logits_B_V / sampling.temperature, dim=-1)
-    probs_B_V = logprobs_B_V.exp()
-    if sampling.top_p < 1.0:
-        sorted_probs, sorted_idx = probs_B_V.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-        outside = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= sampling.top_p
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-        probs_B_V = torch.zeros_like(probs_B_V).scatter(1, sorted_idx, sorted_probs)
-    tokens_B = inverse_cdf_sample(probs_B_V, rng)
-    return tokens_B, logprobs_B_V.gather(1, tokens_B[:, None]).squeeze(1)
-
-
-def inverse_cdf_sample(probs_B_V: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
-    """One draw per row from unnormalised probabilities: one uniform per row, located in the row's
-    cumulative sum. (B, V) -> (B,).
-
-    torch.multinomial on CPU draws V exponential variates per row (the exponential-race trick): at
-    batch 64 x 49k ids that was 18% of SmolLM2's decode step here. This draws B uniforms. The cumsum is
-    float64 so a 49k-entry sum keeps every token's share (a float32 sum would lose the ~1e-8 tails).
-    A zero-probability token owns an empty interval and is never drawn.
-    """
-    cdf_B_V = probs_B_V.double().cumsum(dim=-1)
-    u_B1 = torch.rand((probs_B_V.shape[0], 1), generator=rng, dtype=torch.float64)
-    # right=True: the first index whose cumulative mass exceeds the draw (skips empty intervals).
-    index_B1 = torch.searchsorted(cdf_B_V, u_B1 * cdf_B_V[:, -1:], right=True)
-    return index_B1.squeeze(1).clamp(max=probs_B_V.shape[1] - 1)
-
-
-def shared_prefix_groups(
-    prompts: Sequence[Sequence[int]], min_shared: int
-) -> list[tuple[int, list[int]]]:
-    """Split prompts into runs of consecutive prompts sharing a prefix of >= min_shared tokens.
-
-    Returns [(prefix_length, member indices)] in order; prefix_length leaves every member at least
-    one token of its own (the one whose logits start sampling); a run of one gets its prompt minus
-    the last token.
-    """
-    runs: list[tuple[int, list[int]]] = []  # (common prefix length so far, members)
-    for i, prompt in enumerate(prompts):
-        if runs:
-            length, members = runs[-1]
-            first = prompts[members[0]]
-            common = 0
-            limit = min(length, len(prompt))
-            while common < limit and first[common] == prompt[common]:
-                common += 1
-            if common >= min_shared:
-                runs[-1] = (common, [*members, i])
-                continue
-        runs.append((len(prompt), [i]))
-    # Every member keeps >= 1 token of its own; a lone prompt's "prefix" is all but its last token.
-    return [
-        (min(length, min(len(prompts[m]) for m in members) - 1), members)
-        for length, members in runs
-    ]
+__all__ = ["HFGenerator", "inverse_cdf_sample", "sample_from_logits", "shared_prefix_groups"]
 
 
 class Decoder(Protocol):
@@ -120,6 +60,14 @@ class Decoder(Protocol):
     def repeat_interleave(self, n: int) -> None: ...
 
     def select(self, index_B: torch.Tensor) -> None: ...
+
+    def keepable(self) -> bool:
+        """Whether rows can be copied out for the cross-turn cache (turn_cache.py)."""
+        ...
+
+    def extract(self, mask_B_C: torch.Tensor, batch_rows: Sequence[int]) -> list[Entry]:
+        """Copies of these rows' real columns (mask 1), one turn-cache entry each."""
+        ...
 
 
 class HFDecode:
@@ -151,6 +99,12 @@ class HFDecode:
 
     def select(self, index_B: torch.Tensor) -> None:
         self.cache.batch_select_indices(index_B)
+
+    def keepable(self) -> bool:
+        return cacheable(self.cache)
+
+    def extract(self, mask_B_C: torch.Tensor, batch_rows: Sequence[int]) -> list[Entry]:
+        return extract_rows(self.cache, mask_B_C, batch_rows)
 
 
 class HFGenerator:
@@ -230,8 +184,8 @@ class HFGenerator:
 
     def _fast_decode_weights(self) -> DecodeWeights | None:
         """The fast path's weight copy for this call, rebuilt when the weights changed; None when
-        HF's forward runs (decode "hf", a turn session, a model the fast path declines)."""
-        if self.decode != "fast" or self.turns is not None:
+        HF's forward runs (decode "hf", a model the fast path declines)."""
+        if self.decode != "fast":
             return None
         reason = decline_reason(self.model)  # every call: a hook may come and go
         if reason is not None and reason != self.fast_decode_declined:
@@ -245,6 +199,22 @@ class HFGenerator:
             self._fast_weights = DecodeWeights.build(self.model, self.decode_dtype)
             self._fast_key = key
         return self._fast_weights
+
+    def _turn_key(self) -> Any:
+        """What the turn store's entries depend on: the weights (`weights_fingerprint`), the LoRA
+        adapters' state, and which forward computes them (HF's, or the fast path's copy in its
+        dtype: a bf16 copy's keys are not fp32 HF's). `_fast_key` holds the first two already."""
+        if self._fast is not None:
+            return (self._fast_key, "fast", self._fast.dtype)
+        if self.decode == "hf":  # as before the fast path existed
+            return weights_fingerprint(self.model)
+        return ((weights_fingerprint(self.model), lora_state(self.model)), "hf")
+
+    def _new_decoder(self, reserve: int) -> Decoder:
+        """An empty cache for a plain prefill: the fast path's (`reserve` decode columns) or HF's."""
+        if self._fast is not None:
+            return StaticDecode(self._fast, reserve=reserve)
+        return HFDecode(self)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_bf16:
@@ -262,10 +232,10 @@ class HFGenerator:
             return []
         # Chunk so that a chunk's prompts x n rows stay under max_batch_rows.
         prompts_per_chunk = max(1, self.max_batch_rows // sampling.n)
-        if self.turns is not None:
-            self.turns.check_weights(self.model)
         self._kept = []
         self._fast = self._fast_decode_weights()
+        if self.turns is not None:
+            self.turns.check_weights(self.model, self._turn_key())
         out: list[list[Completion]] = []
         for start in range(0, len(prompts), prompts_per_chunk):
             out.extend(self._generate_chunk(prompts[start : start + prompts_per_chunk], sampling))
@@ -298,15 +268,13 @@ class HFGenerator:
             raise ValueError("cannot generate from an empty prompt")
         decoder: Decoder
         if self.turns is not None:
-            logits_P_V, mask_P_L, next_pos_P, decoder = self._prefill_turns(prompts, self.turns)
+            logits_P_V, mask_P_L, next_pos_P, decoder = self._prefill_turns(
+                prompts, self.turns, sampling.max_new_tokens
+            )
         else:
-            if self._fast is not None:
-                decoder = StaticDecode(self._fast, reserve=sampling.max_new_tokens)
-            else:
-                decoder = HFDecode(self)
+            decoder = self._new_decoder(sampling.max_new_tokens)
             logits_P_V, mask_P_L, next_pos_P = self._prefill(prompts, decoder)
-        cache = decoder.cache if isinstance(decoder, HFDecode) else None
-        keep_rows = self.turns is not None and cache is not None and cacheable(cache)
+        keep_rows = self.turns is not None and decoder.keepable()
         # One prefill per prompt; its cache is shared by the prompt's n samples.
         decoder.repeat_interleave(n)
         logits_B_V = logits_P_V.repeat_interleave(n, dim=0)
@@ -334,14 +302,14 @@ class HFGenerator:
                 else:
                     keep.append(b)
             if not keep or step == sampling.max_new_tokens - 1:
-                if keep_rows and cache is not None:
-                    self._keep(cache, mask_B_L, range(len(active)), active, prompts, tokens, n)
+                if keep_rows:
+                    self._keep(decoder, mask_B_L, range(len(active)), active, prompts, tokens, n)
                 break
             if len(keep) < len(active):
-                if keep_rows and cache is not None:
+                if keep_rows:
                     kept = set(keep)
                     done = [b for b in range(len(active)) if b not in kept]
-                    self._keep(cache, mask_B_L, done, active, prompts, tokens, n)
+                    self._keep(decoder, mask_B_L, done, active, prompts, tokens, n)
                 # Drop finished rows from the batch and the KV cache right away.
                 index = torch.tensor(keep, dtype=torch.long)
                 decoder.select(index)
@@ -363,7 +331,7 @@ class HFGenerator:
 
     def _keep(
         self,
-        cache: DynamicCache,
+        decoder: Decoder,
         mask_B_L: torch.Tensor,
         batch_rows: Sequence[int],
         active: list[int],
@@ -373,7 +341,7 @@ class HFGenerator:
     ) -> None:
         """Store finished rows for the next turn: the cache holds the prompt and every sampled token
         but the last (sampled, never fed)."""
-        entries = extract_rows(cache, mask_B_L, batch_rows)
+        entries = decoder.extract(mask_B_L, batch_rows)
         for b, entry in zip(batch_rows, entries, strict=True):
             row = active[b]
             key = (*prompts[row // n], *tokens[row][:-1])
@@ -381,10 +349,11 @@ class HFGenerator:
             self._kept.append((tuple(int(t) for t in key), entry))
 
     def _prefill_turns(
-        self, prompts: Sequence[Sequence[int]], turns: TurnCache
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HFDecode]:
+        self, prompts: Sequence[Sequence[int]], turns: TurnCache, reserve: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Decoder]:
         """`_prefill`, but prompts that extend a stored conversation prefill only their new tokens;
-        the others take the plain path and the two batches are stacked (masked left padding)."""
+        the others take the plain path and the two batches are stacked (masked left padding).
+        `reserve`: the decode steps' columns (the fast path's static cache)."""
         matches = [turns.match(p) for p in prompts]
         hit = [i for i, e in enumerate(matches) if e is not None]
         miss = [i for i, e in enumerate(matches) if e is None]
@@ -396,26 +365,38 @@ class HFGenerator:
             e.length for e in reused if e is not None
         )
         if not hit:
-            decoder = HFDecode(self)
+            decoder = self._new_decoder(reserve)
             return (*self._prefill(prompts, decoder), decoder)
         entries = [e for e in reused if e is not None]
-        past, past_mask, past_length = past_from_entries(entries)
         tails = [list(prompts[i][e.length :]) for i, e in zip(hit, entries, strict=True)]
-        logits, mask, next_pos = self._prefill_plain(
-            tails, HFDecode(self, past), past_mask, past_length
-        )
+        past: Decoder
+        if self._fast is not None:
+            extra = max(len(t) for t in tails)
+            past, past_mask, past_length = StaticDecode.from_entries(
+                self._fast, entries, reserve, extra
+            )
+        else:
+            cache, past_mask, past_length = past_from_entries(entries)
+            past = HFDecode(self, cache)
+        logits, mask, next_pos = self._prefill_plain(tails, past, past_mask, past_length)
         if not miss:
-            return logits, mask, next_pos, HFDecode(self, past)
-        fresh = HFDecode(self)
+            return logits, mask, next_pos, past
+        fresh = self._new_decoder(reserve)
         logits_m, mask_m, next_m = self._prefill([prompts[i] for i in miss], fresh)
-        cache, mask = merge_batches((past, mask), (fresh.cache, mask_m))
+        merged: Decoder
+        if isinstance(past, StaticDecode) and isinstance(fresh, StaticDecode):
+            merged, mask = stack_decoders((past, mask), (fresh, mask_m))
+        else:
+            assert isinstance(past, HFDecode) and isinstance(fresh, HFDecode)
+            both, mask = merge_batches((past.cache, mask), (fresh.cache, mask_m))
+            merged = HFDecode(self, both)
         inverse = torch.argsort(torch.tensor(hit + miss))  # back to prompt order
-        cache.batch_select_indices(inverse)
+        merged.select(inverse)
         return (
             torch.cat([logits, logits_m])[inverse],
             mask[inverse],
             torch.cat([next_pos, next_m])[inverse],
-            HFDecode(self, cache),
+            merged,
         )
 
     def _prefill(

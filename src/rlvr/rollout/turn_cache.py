@@ -14,8 +14,15 @@ prefill. Lifetime, as the engine uses it: an entry lives until the next `generat
 either continued (and replaced by the longer entry of the new turn) or dropped (its episode ended).
 The store holds at most `max_bytes`; rows past the cap are not kept (their next turn prefills in
 full). The whole store is dropped when the weights change (a parameter's version counter or a checksum of
-the trainable weights moved: `weights_fingerprint`), and when the engine's rollout ends
-(`HFGenerator.turn_session`), which is before every update.
+the trainable weights moved: `weights_fingerprint`), when the forward that computed the entries changes
+(HF's or the fast path's, its copy's dtype, LoRA adapters switched: the key HFGenerator passes to
+`check_weights`), and when the engine's rollout ends (`HFGenerator.turn_session`), which is before
+every update.
+
+An entry is per layer (kv_heads, length, head_dim) keys and values: a row of HF's DynamicCache
+(`extract_rows`, `past_from_entries`, `merge_batches` below) and a row of the fast path's static
+cache (`StaticDecode.extract`, `StaticDecode.from_entries`, `stack_decoders` in fast_decode.py)
+alike, so `decode: fast` keeps its rows here in the same store.
 """
 
 from __future__ import annotations
@@ -74,7 +81,7 @@ class TurnCache:
 
     max_bytes: int
     entries: dict[tuple[int, ...], Entry] = field(default_factory=dict)
-    fingerprint: Fingerprint | None = None
+    fingerprint: Any = None  # what the entries were computed from (`check_weights`)
     stats: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
             ("hits", "misses", "reused_tokens", "prefilled_tokens", "not_kept", "invalidated"), 0
@@ -85,9 +92,11 @@ class TurnCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
-    def check_weights(self, model: Any) -> None:
-        """Drop everything when the weights moved since the entries were computed."""
-        fingerprint = weights_fingerprint(model)
+    def check_weights(self, model: Any, key: Any = None) -> None:
+        """Drop everything when the weights moved since the entries were computed (`key`: the
+        caller's fingerprint of the weights and of the forward that will run; default
+        `weights_fingerprint(model)`)."""
+        fingerprint = key if key is not None else weights_fingerprint(model)
         if self.fingerprint is not None and fingerprint != self.fingerprint and self.entries:
             self.stats["invalidated"] += 1
             self.entries.clear()
