@@ -202,8 +202,8 @@ class GeneratorConfig(_Section):
         description="hf backend: whose forward samples. hf = transformers' layers; fast = rlvr's "
         "own decode path for Llama/SmolLM2 and Qwen2/Qwen3 (static KV cache, fused QKV and "
         "gate/up, LoRA merged into a weight copy refreshed after every update; tested token for "
-        "token against hf), falling back to hf for other models and inside multi-turn turn-cache "
-        "sessions (rollout/fast_decode.py).",
+        "token against hf, with the cross-turn cache too), falling back to hf for other models "
+        "(rollout/fast_decode.py).",
     )
     decode_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
