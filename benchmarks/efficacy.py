@@ -82,6 +82,9 @@ SOKOBAN_5X5 = (
     "task.env.num_train=230",
     "task.env.options.size=5",
 )
+# GiGPO (Feng et al. 2025): step advantages among turns from the same state, discount 0.95 as in
+# the paper; the rows without it are the trajectory-credit baselines on the same budget.
+GIGPO = ("objective.credit=gigpo", "objective.gamma=0.95")
 ROWS = [
     Row("arithmetic", "arithmetic, 2-digit addition (the demo)", "quickstart.yaml",
         ">= 80% in <= 10 min", target_after=0.80, max_minutes=10.0),
@@ -99,6 +102,9 @@ ROWS = [
     Row("frozenlake-warmup", "frozenlake 4x4, not slippery; format warm-up, then RL",
         "env_frozenlake_warmup.yaml", "+30 points", target_gain=0.30, overrides=HELDOUT_200,
         pipeline=True),
+    Row("frozenlake-warmup-gigpo", "frozenlake 4x4, not slippery; format warm-up, then RL with GiGPO "
+        "credit", "env_frozenlake_warmup.yaml", "+30 points", target_gain=0.30,
+        overrides=(*HELDOUT_200, *GIGPO), pipeline=True),
     Row("frozenlake-slippery", "frozenlake 4x4, slippery", "env_frozenlake.yaml", "+15 points",
         target_gain=0.15, overrides=(*HELDOUT_200, "task.env.options.slippery=true")),
     Row("sokoban", "sokoban, smallest room (5x5, 1 box)", "env_sokoban.yaml", "+15 points",
@@ -106,6 +112,9 @@ ROWS = [
     Row("sokoban-warmup", "sokoban, smallest room (5x5, 1 box); format warm-up, then RL",
         "env_sokoban_warmup.yaml", "+15 points", target_gain=0.15,
         overrides=SOKOBAN_5X5, pipeline=True),
+    Row("sokoban-warmup-gigpo", "sokoban, smallest room (5x5, 1 box); format warm-up, then RL "
+        "with GiGPO credit", "env_sokoban_warmup.yaml", "+15 points", target_gain=0.15,
+        overrides=(*SOKOBAN_5X5, *GIGPO), pipeline=True),
     Row("countdown", "countdown, 3 numbers", "env_countdown.yaml", "+15 points",
         target_gain=0.15, overrides=HELDOUT_200),
     Row("countdown-warmup", "countdown, 3 numbers; format warm-up, then RL",
