@@ -8,12 +8,38 @@ cells are removed one at a time as long as a backtracking solver still finds exa
 
 The puzzle is shown with '.' for blanks, one row per line. The answer is the full grid inside
 `<answer>...</answer>`: 4 lines of 4 digits (spaces, commas, bars or one line of 16 digits are also
-read). Reward parts: `success` (a valid grid that keeps every given digit) and `format` (a 16-digit
-grid was read; weight 0.1, earned at most once per episode). A wrong answer gets feedback naming what
-is wrong and one more try.
+read). A wrong answer gets feedback naming what is wrong and one more try.
 
-Demonstration policies (rlvr.envs.demos): `random_action` answers the puzzle's givens with every
-blank filled by a random digit 1-4 (a well-formed grid, almost never a solution: a format warm-up);
+Reward parts (weights in `SudokuFamily.reward_weights`):
+- `success` (1.0): a valid grid that keeps every given digit (for a unique puzzle: the solution).
+- `format` (0.1): a 16-digit grid was read; earned at most once per episode.
+- `cells` (0.5): the share of the puzzle's BLANK cells the answer fills with the solution's digit,
+  and 0 when the answer changes any given or is not a 16-digit grid. Copying the puzzle earns 0
+  (its blanks are not digits, or are 0s, which no solution holds), and every point of it is a blank
+  filled right, so it pays only for solving part of the grid. It is paid as the change from the
+  previous answer of the episode (as Sokoban's `boxes_on_target`), so over an episode it sums to
+  the FINAL answer's share: a partial answer then a worse one earns the worse one's share, and a
+  partial answer before the solution earns `cells` 1.0 in all, as answering the solution at once
+  does (nothing to gain by holding back). A grid with every blank right and every given kept is the
+  solution, so the final answer's `cells` is 1.0 exactly when `success` is paid.
+  Why 0.5: a dense part gives GRPO something to compare when no rollout of a group solves the grid
+  (docs/efficacy_notes.md: with `success` and `format` alone, 0.0% -> 0.0%), while success stays
+  dominant: a solved episode earns 1.0 + 0.1 + 0.5 = 1.6, an unsolved one at most
+  0.1 + 0.5 (k-1)/k < 0.6 for k blanks, and a full `cells` is worth half a solve.
+  What it does not stop: correct digits by luck. A constant digit earns the share of blanks whose
+  answer is that digit, a uniform random digit a quarter in expectation, a candidate fill (below)
+  0.9. That floor is open to every member of a group, so only answers with more blanks right than
+  their group's others get a positive advantage. Puzzles without a stored solution and with more
+  than one completion (hand-made ones only) pay `cells` 1.0 on a valid grid and 0 otherwise.
+
+Demonstration policies (rlvr.envs.demos): `random_action` keeps the givens and fills each blank with
+a random CANDIDATE (a digit none of its row, column or box givens holds): a grid that breaks no rule
+against the givens, though blanks may clash with each other. It is not a solver, but on these small
+puzzles most blanks have one candidate, so it is far from blind: over 2000 train puzzles (5 fills
+each, 2026-12-01) 52% of the fills were the solution with 6 blanks (72% with 5, 89% with 4), and
+a fill got 90% of the blanks right on average (6 blanks); a uniform random digit per blank solves
+0.02% (4^-6). So a "random" warm-up on it shows solved grids on about half its first turns: it
+teaches single-candidate elimination along with the format, not the format alone.
 `scripted_action` answers the stored solution (behaviour cloning).
 """
 
@@ -23,6 +49,7 @@ import random
 import re
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import ClassVar
 
 from pydantic import Field
@@ -32,6 +59,7 @@ from rlvr.envs.base import (
     Env,
     EnvFamily,
     EnvOptions,
+    EnvStep,
     Message,
     register_env,
 )
@@ -77,6 +105,50 @@ def count_solutions(grid: Grid, limit: int = 2) -> int:
             if total >= limit:
                 break
     return total
+
+
+def unique_solution(puzzle: Grid) -> Grid | None:
+    """The puzzle's only valid completion, or None when it has none or more than one."""
+    found: list[Grid] = []
+
+    def search(grid: Grid) -> None:
+        try:
+            cell = grid.index(0)
+        except ValueError:
+            found.append(list(grid))
+            return
+        taken = {grid[j] for j in _PEERS[cell]}
+        for digit in range(1, 5):
+            if digit not in taken and len(found) < 2:
+                grid[cell] = digit
+                search(grid)
+                grid[cell] = 0
+
+    search(list(puzzle))
+    if len(found) != 1 or grid_problems(found[0], puzzle):
+        return None
+    return found[0]
+
+
+def candidates(puzzle: Grid) -> list[list[int]]:
+    """Per cell, the digits it may hold given the puzzle's givens alone: a given's own digit; for a
+    blank, 1-4 less those its row, column and box givens hold (never empty for a solvable puzzle:
+    the solution's digit is always among them)."""
+    return [
+        [given] if given else [d for d in range(1, 5) if d not in {puzzle[j] for j in _PEERS[i]}]
+        for i, given in enumerate(puzzle)
+    ]
+
+
+def blank_share(grid: Grid, puzzle: Grid, solution: Grid) -> float:
+    """Share of the puzzle's blanks that `grid` fills with `solution`'s digit; 0.0 when `grid`
+    changes a given (a puzzle without blanks: 1.0 when every given is kept)."""
+    if any(given and got != given for given, got in zip(puzzle, grid, strict=True)):
+        return 0.0
+    blanks = [i for i, given in enumerate(puzzle) if not given]
+    if not blanks:
+        return 1.0
+    return sum(grid[i] == solution[i] for i in blanks) / len(blanks)
 
 
 def random_full_grid(rng: random.Random) -> Grid:
@@ -139,7 +211,7 @@ class SudokuFamily(EnvFamily):
     description: ClassVar[str] = "4x4 Sudoku with a unique solution; answer the full grid."
     Options: ClassVar[type[EnvOptions]] = SudokuOptions
     success_metric: ClassVar[str] = "success"
-    reward_weights: ClassVar[Mapping[str, float]] = {"success": 1.0, "format": 0.1}
+    reward_weights: ClassVar[Mapping[str, float]] = {"success": 1.0, "format": 0.1, "cells": 0.5}
     example_config: ClassVar[str] = "examples/env_sudoku.yaml"
 
     def generate(self, seed: int) -> Task:
@@ -166,8 +238,16 @@ class SudokuFamily(EnvFamily):
         return SudokuEnv(task, puzzle_of(task))
 
     def random_action(self, task: Task, messages: list[Message], rng: random.Random) -> str:
-        """The givens kept, each blank a random digit: the answer's format, not the logic."""
-        grid = [digit or rng.randint(1, 4) for digit in puzzle_of(task)]
+        """The givens kept, each blank a random candidate (a digit none of its givens' peers holds,
+        one `rng.choice` per blank in row-major order). Legal against the givens, NOT a solver: the
+        blanks are drawn independently, so they may clash with each other, and the fill is the
+        solution with probability the product of 1/(candidates) over the blanks (the module
+        docstring gives the share measured on train puzzles)."""
+        puzzle = puzzle_of(task)
+        grid = [
+            digit or rng.choice(options)
+            for digit, options in zip(puzzle, candidates(puzzle), strict=True)
+        ]
         return f"<answer>\n{render(grid)}\n</answer>"
 
     def scripted_action(self, task: Task, messages: list[Message]) -> str:
@@ -197,12 +277,38 @@ def make_task(puzzle: Grid, solution: Grid | None = None) -> Task:
     return Task(id=f"sudoku:{flat}", messages=messages, fields=fields)
 
 
+def solution_of(task: Task) -> Grid | None:
+    """The stored solution (generated puzzles), else the puzzle's unique one; None if ambiguous."""
+    stored = task.fields.get("solution")
+    return [int(ch) for ch in stored] if stored else unique_solution(puzzle_of(task))
+
+
 class SudokuEnv(AnswerWithFeedbackEnv):
-    """One Sudoku episode: answer, get feedback on a wrong grid, answer again."""
+    """One Sudoku episode: answer, get feedback on a wrong grid, answer again. Each turn's rewards
+    are the base class's `success` and `format`, plus `cells` as the change in the blank share
+    since the previous answer (see the module docstring)."""
 
     def __init__(self, task: Task, puzzle: Grid) -> None:
         self.task, self.puzzle = task, puzzle
+        self.solution = solution_of(task)
+        self.share = 0.0  # the blank share of the last answer (0 before any)
         super().__init__()
+
+    def step(self, assistant_text: str) -> EnvStep:
+        result = super().step(assistant_text)
+        share = self.answer_share(assistant_text, solved=result.rewards["success"] == 1.0)
+        delta, self.share = share - self.share, share
+        return replace(result, rewards={**result.rewards, "cells": delta})
+
+    def answer_share(self, assistant_text: str, solved: bool) -> float:
+        """This answer's `cells` value: the share of blanks right, 0 for a malformed answer."""
+        answer = extract_tagged(assistant_text, "answer")
+        grid = parse_grid(answer) if answer is not None else None
+        if grid is None:
+            return 0.0
+        if self.solution is None:  # an ambiguous hand-made puzzle: any valid grid is right
+            return 1.0 if solved else 0.0
+        return blank_share(grid, self.puzzle, self.solution)
 
     def check(self, assistant_text: str) -> tuple[bool, bool, str]:
         """(parsed, solved, feedback) for one answer."""
