@@ -27,19 +27,19 @@ Reward parts (weights in `SudokuFamily.reward_weights`):
   dominant: a solved episode earns 1.0 + 0.1 + 0.5 = 1.6, an unsolved one at most
   0.1 + 0.5 (k-1)/k < 0.6 for k blanks, and a full `cells` is worth half a solve.
   What it does not stop: correct digits by luck. A constant digit earns the share of blanks whose
-  answer is that digit, a uniform random digit a quarter in expectation, a candidate fill (below)
-  0.9. That floor is open to every member of a group, so only answers with more blanks right than
+  answer is that digit, a uniform random digit a quarter in expectation, a fill from each
+  blank's candidates (`candidates`) 0.9. That floor is open to every member of a group, so only answers with more blanks right than
   their group's others get a positive advantage. Puzzles without a stored solution and with more
   than one completion (hand-made ones only) pay `cells` 1.0 on a valid grid and 0 otherwise.
 
 Demonstration policies (rlvr.envs.demos): `random_action` keeps the givens and fills each blank with
-a random CANDIDATE (a digit none of its row, column or box givens holds): a grid that breaks no rule
-against the givens, though blanks may clash with each other. It is not a solver, but on these small
-puzzles most blanks have one candidate, so it is far from blind: over 2000 train puzzles (5 fills
-each, 2026-12-01) 52% of the fills were the solution with 6 blanks (72% with 5, 89% with 4), and
-a fill got 90% of the blanks right on average (6 blanks); a uniform random digit per blank solves
-0.02% (4^-6). So a "random" warm-up on it shows solved grids on about half its first turns: it
-teaches single-candidate elimination along with the format, not the format alone.
+a uniform random digit: the answer's shape and "keep the givens", not the logic (it solves a 6-blank
+puzzle with probability 4^-6). Filling each blank from its candidates instead (`candidates`, digits
+no given in its row, column or box holds) was tried and rejected for the warm-up: most blanks of a
+4x4 puzzle have one candidate, so 52% of such fills were the solution over 2000 train puzzles
+(6 blanks, 5 fills each, 2026-12-01; 72% with 5 blanks, 89% with 4): a warm-up on them would teach
+single-candidate elimination, i.e. much of the task, and the efficacy table's warm-up rows promise
+a format-only warm-up.
 `scripted_action` answers the stored solution (behaviour cloning).
 """
 
@@ -238,16 +238,9 @@ class SudokuFamily(EnvFamily):
         return SudokuEnv(task, puzzle_of(task))
 
     def random_action(self, task: Task, messages: list[Message], rng: random.Random) -> str:
-        """The givens kept, each blank a random candidate (a digit none of its givens' peers holds,
-        one `rng.choice` per blank in row-major order). Legal against the givens, NOT a solver: the
-        blanks are drawn independently, so they may clash with each other, and the fill is the
-        solution with probability the product of 1/(candidates) over the blanks (the module
-        docstring gives the share measured on train puzzles)."""
-        puzzle = puzzle_of(task)
-        grid = [
-            digit or rng.choice(options)
-            for digit, options in zip(puzzle, candidates(puzzle), strict=True)
-        ]
+        """The givens kept, each blank a uniform random digit: the answer's format, not the logic
+        (candidate fills would solve half the puzzles: see the module docstring)."""
+        grid = [digit or rng.randint(1, 4) for digit in puzzle_of(task)]
         return f"<answer>\n{render(grid)}\n</answer>"
 
     def scripted_action(self, task: Task, messages: list[Message]) -> str:
