@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from rlvr.errors import ConfigError
 from rlvr.yaml_types import file_booleans, override_value
@@ -191,12 +192,28 @@ class GeneratorConfig(_Section):
         "the whole conversation. Same samples and log-probs as without it (to float rounding); "
         "dropped when the rollout ends, before every update (rollout/turn_cache.py).",
     )
-    turn_cache_mb: float = Field(
-        1024.0,
-        ge=0.0,
+    turn_cache_mb: float | Literal["auto"] = Field(
+        "auto",
         description="Memory cap of the turn cache (MiB); episodes past it re-prefill their "
-        "conversation next turn.",
+        "conversation next turn (a warning says how many, once per rollout). auto = 40% of the "
+        "memory free when each rollout starts (the model's GPU, else the host's MemAvailable), "
+        "at least 1024.",
     )
+
+    @field_validator("turn_cache_mb", mode="before")
+    @classmethod
+    def _cap_or_auto(cls, value: Any) -> Any:
+        text = value.strip().lower() if isinstance(value, str) else None
+        if text == "auto":
+            return "auto"
+        try:
+            number = float(value) if text is not None or type(value) in (int, float) else None
+        except ValueError:
+            number = None
+        if number is None or not 0.0 <= number < float("inf"):  # also NaN, bools, lists
+            raise PydanticCustomError("cap", "expected auto or a number of MiB >= 0")
+        return number
+
     decode: Literal["hf", "fast"] = Field(
         "hf",
         description="hf backend: whose forward samples. hf = transformers' layers; fast = rlvr's "

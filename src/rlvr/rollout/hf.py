@@ -7,7 +7,8 @@ the batch until the longest one ends, and prefills each prompt once per sample. 
 - matmuls run under bf16 autocast when asked (about 4x the fp32 rate on these CPUs), while the
   softmax / log-probs are taken in fp32;
 - with `turn_cache`, inside `turn_session` (the engine's multi-turn rollouts) each conversation's
-  KV cache is kept from one turn to the next, so a turn prefills only its new tokens (turn_cache.py);
+  KV cache is kept from one turn to the next, so a turn prefills only its new tokens (turn_cache.py),
+  under a memory cap (`turn_cache_mb`: MiB, or "auto"); rows past it re-prefill, with a warning;
 - with `decode="fast"`, Llama/Qwen2/Qwen3 models run rlvr's own forward over a static KV cache from
   a fused (optionally bf16) copy of the weights instead of HF's layers (fast_decode.py), inside turn
   sessions too (the store's entries fit either cache); other models keep HF's forward.
@@ -42,6 +43,7 @@ from rlvr.rollout.turn_cache import (
     extract_rows,
     merge_batches,
     past_from_entries,
+    resolve_cap_mb,
     weights_fingerprint,
 )
 
@@ -128,7 +130,7 @@ class HFGenerator:
         skinny_linear: bool = True,
         merge_lora: bool = True,
         turn_cache: bool = False,
-        turn_cache_mb: float = 1024.0,
+        turn_cache_mb: float | Literal["auto"] = "auto",
         decode: Literal["hf", "fast"] = "hf",
         decode_dtype: torch.dtype | None = None,
     ) -> None:
@@ -145,6 +147,7 @@ class HFGenerator:
         self.turn_cache = turn_cache
         self.turn_cache_mb = turn_cache_mb
         self.turns: TurnCache | None = None  # open inside `turn_session` (turn_cache.py)
+        self.turn_stats: dict[str, int] | None = None  # the last session's `TurnCache.stats`
         self._kept: list[tuple[tuple[int, ...], Entry]] = []
         self.decode = decode
         self.decode_dtype = decode_dtype or (torch.bfloat16 if autocast_bf16 else torch.float32)
@@ -157,14 +160,19 @@ class HFGenerator:
     def turn_session(self) -> Iterator[TurnCache | None]:
         """Keep each conversation's KV cache from one `generate` call to the next inside the block
         (the engine opens one per multi-turn rollout); everything is dropped on exit. Yields the store
-        (its `stats`), or None when `turn_cache` is off. Nested sessions share the outer one."""
+        (its `stats`), or None when `turn_cache` is off. Nested sessions share the outer one. The
+        cap: `turn_cache_mb`, "auto" resolved now from the memory free on the model's device."""
         if not self.turn_cache or self.turns is not None:
             yield self.turns
             return
-        self.turns = TurnCache(max_bytes=int(self.turn_cache_mb * 2**20))
+        param = next(iter(self.model.parameters()), None)
+        device = param.device if param is not None else torch.device("cpu")
+        cap_mb = resolve_cap_mb(self.turn_cache_mb, device)
+        self.turns = TurnCache(max_bytes=int(cap_mb * 2**20))
         try:
             yield self.turns
         finally:
+            self.turn_stats = dict(self.turns.stats)
             self.turns = None
             self._kept = []
 
@@ -236,10 +244,16 @@ class HFGenerator:
         self._fast = self._fast_decode_weights()
         if self.turns is not None:
             self.turns.check_weights(self.model, self._turn_key())
+        past_cap = self.turns.stats["past_cap"] if self.turns is not None else 0
         out: list[list[Completion]] = []
         for start in range(0, len(prompts), prompts_per_chunk):
             out.extend(self._generate_chunk(prompts[start : start + prompts_per_chunk], sampling))
         if self.turns is not None:  # this call's rows replace the previous call's
+            lost = self.turns.stats["past_cap"] - past_cap
+            if lost and not self.turns.warned:  # silently slow no more: say so, once
+                self.turns.warned = True
+                message = self.turns.cap_warning(lost, len(prompts), self.turn_cache_mb)
+                warnings.warn(message, stacklevel=2)
             self.turns.replace(self._kept)
             self._kept = []
         return out
@@ -364,6 +378,8 @@ class HFGenerator:
         turns.stats["prefilled_tokens"] += sum(len(p) for p in prompts) - sum(
             e.length for e in reused if e is not None
         )
+        if miss and turns.dropped:  # which misses the cap caused (HFGenerator.generate warns)
+            turns.count_past_cap([prompts[i] for i in miss])
         if not hit:
             decoder = self._new_decoder(reserve)
             return (*self._prefill(prompts, decoder), decoder)

@@ -12,8 +12,9 @@ Matching is on token ids (like vLLM's automatic prefix caching), so a wrong reus
 prompt that does not extend a stored entry (a rewritten history, a cut turn) falls back to the plain
 prefill. Lifetime, as the engine uses it: an entry lives until the next `generate` call; there it is
 either continued (and replaced by the longer entry of the new turn) or dropped (its episode ended).
-The store holds at most `max_bytes`; rows past the cap are not kept (their next turn prefills in
-full). The whole store is dropped when the weights change (a parameter's version counter or a checksum of
+The store holds at most `max_bytes` (`generator.turn_cache_mb`; `auto`: `auto_cap_mb` when the
+session opens); rows past the cap are not kept (their next turn prefills in full, counted in
+`stats["past_cap"]`, and HFGenerator warns once per session: `cap_warning`). The whole store is dropped when the weights change (a parameter's version counter or a checksum of
 the trainable weights moved: `weights_fingerprint`), when the forward that computed the entries changes
 (HF's or the fast path's, its copy's dtype, LoRA adapters switched: the key HFGenerator passes to
 `check_weights`), and when the engine's rollout ends (`HFGenerator.turn_session`), which is before
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import DynamicCache
@@ -53,6 +54,42 @@ class Entry:
 
 
 Fingerprint = tuple[tuple[tuple[int, int], ...], float]
+
+AUTO_SHARE = 0.4  # `turn_cache_mb: auto`: this share of the memory free when a session opens,
+AUTO_FLOOR_MB = 1024.0  # and never less than this (the fixed cap before `auto`)
+
+
+def meminfo_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory free for the store's entries, which live on `device`: a CUDA device's free memory
+    (plus what torch's allocator holds unused), else the host's MemAvailable."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free + unused)
+    return meminfo_available_bytes()
+
+
+def auto_cap_mb(device: torch.device) -> float:
+    """`turn_cache_mb: auto`: AUTO_SHARE of the memory free now, at least AUTO_FLOOR_MB."""
+    free = free_bytes(device)
+    return AUTO_FLOOR_MB if free is None else max(AUTO_FLOOR_MB, AUTO_SHARE * free / 2**20)
+
+
+def resolve_cap_mb(setting: float | Literal["auto"], device: torch.device) -> float:
+    """The cap in MiB: a number as given, `auto` as `auto_cap_mb` says."""
+    return auto_cap_mb(device) if setting == "auto" else float(setting)
 
 
 def weights_fingerprint(model: Any) -> Fingerprint:
@@ -84,9 +121,23 @@ class TurnCache:
     fingerprint: Any = None  # what the entries were computed from (`check_weights`)
     stats: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
-            ("hits", "misses", "reused_tokens", "prefilled_tokens", "not_kept", "invalidated"), 0
+            (
+                "hits",
+                "misses",
+                "reused_tokens",
+                "prefilled_tokens",
+                "not_kept",  # rows the last `replace` calls could not keep (the cap)
+                "past_cap",  # prompts prefilled in full because their row was not kept
+                "invalidated",
+            ),
+            0,
         )
     )
+    # The last `replace`: keys of the rows past the cap, how many rows it was given, their bytes.
+    dropped: set[tuple[int, ...]] = field(default_factory=set)
+    rows: int = 0
+    rows_bytes: int = 0
+    warned: bool = False  # HFGenerator warns once per session (`cap_warning`)
 
     @property
     def nbytes(self) -> int:
@@ -97,9 +148,11 @@ class TurnCache:
         caller's fingerprint of the weights and of the forward that will run; default
         `weights_fingerprint(model)`)."""
         fingerprint = key if key is not None else weights_fingerprint(model)
-        if self.fingerprint is not None and fingerprint != self.fingerprint and self.entries:
-            self.stats["invalidated"] += 1
-            self.entries.clear()
+        if self.fingerprint is not None and fingerprint != self.fingerprint:
+            self.dropped.clear()  # their misses are the weights' doing now, not the cap's
+            if self.entries:
+                self.stats["invalidated"] += 1
+                self.entries.clear()
         self.fingerprint = fingerprint
 
     def match(self, prompt: Sequence[int]) -> Entry | None:
@@ -115,14 +168,53 @@ class TurnCache:
         """The store after a generate call: this call's rows, in order, while they fit the cap.
         Entries of the previous call are dropped (continued ones are superseded by their rows)."""
         self.entries = {}
+        self.dropped = set()
+        self.rows, self.rows_bytes = len(rows), 0
         total = 0
         for key, entry in rows:
             size = entry.nbytes
+            self.rows_bytes += size
             if total + size > self.max_bytes:
                 self.stats["not_kept"] += 1
+                self.dropped.add(key)
                 continue
             self.entries[key] = entry
             total += size
+
+    def count_past_cap(self, misses: Sequence[Sequence[int]]) -> int:
+        """How many of these prompts (no stored match) extend a row the cap dropped last call;
+        added to `stats["past_cap"]`."""
+        lengths = sorted({len(k) for k in self.dropped}, reverse=True)
+        count = 0
+        for prompt in misses:
+            p = tuple(prompt)
+            count += any(n < len(p) and p[:n] in self.dropped for n in lengths)
+        self.stats["past_cap"] += count
+        return count
+
+    def cap_warning(self, lost: int, prompts: int, setting: float | str) -> str:
+        """The one-line warning for `lost` of `prompts` conversations prefilled in full this call
+        because the cap dropped their rows (numbers from the last `replace`)."""
+        cap = size_text(self.max_bytes)
+        if setting == "auto":
+            cap += f" (auto: {AUTO_SHARE:.0%} of the memory free when the rollout began)"
+        kept = self.rows - len(self.dropped)
+        more = size_text(max(0, self.rows_bytes - self.max_bytes))
+        return (
+            f"generator.turn_cache: {lost} of {prompts} conversations re-prefill their whole "
+            f"conversation this turn: the cross-turn KV cache's cap of {cap} kept {kept} of the "
+            f"last turn's {self.rows} rows ({size_text(self.rows_bytes)} of keys and values; "
+            f"~{more} more would have kept them all). Raise generator.turn_cache_mb (MiB) for "
+            f"faster multi-turn rollouts (same results); warned once per rollout."
+        )
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes for a message: whole MiB from 10 MiB, one decimal below, KiB under 1 MiB."""
+    mib = nbytes / 2**20
+    if mib >= 10:
+        return f"{mib:.0f} MiB"
+    return f"{mib:.1f} MiB" if mib >= 1 else f"{nbytes / 2**10:.0f} KiB"
 
 
 def _layers(cache: DynamicCache) -> list[Any]:
