@@ -37,7 +37,7 @@ def fake_meminfo(monkeypatch: pytest.MonkeyPatch, available: int | None) -> None
 
 @pytest.mark.parametrize(
     ("available", "expected_mb"),
-    [(10 * GIB, 4096.0), (20 * GIB, 8192.0), (1 * GIB, 1024.0), (3 * GIB, 1228.8), (None, 1024.0)],
+    [(10 * GIB, 2048.0), (20 * GIB, 4096.0), (1 * GIB, 1024.0), (8 * GIB, 1638.4), (None, 1024.0)],
 )
 def test_auto_is_a_share_of_the_free_memory_never_below_the_floor(
     monkeypatch: pytest.MonkeyPatch, available: int | None, expected_mb: float
@@ -61,7 +61,7 @@ def test_auto_on_cuda_reads_the_device_not_the_host(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 * GIB)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 * GIB)
     gpu = torch.device("cuda", 1)
-    assert turn_cache.resolve_cap_mb("auto", gpu) == pytest.approx(0.4 * 10 * 1024)
+    assert turn_cache.resolve_cap_mb("auto", gpu) == pytest.approx(0.2 * 10 * 1024)
     assert asked == [gpu]
 
 
@@ -84,7 +84,7 @@ def test_a_session_resolves_auto_when_it_opens(
     model, tok = tiny
     generator = make_gen(model, tok, True)
     assert generator.turn_cache_mb == "auto"  # the default
-    for available, mb in ((20 * GIB, 8192), (1 * GIB, 1024)):
+    for available, mb in ((20 * GIB, 4096), (1 * GIB, 1024)):
         fake_meminfo(monkeypatch, available)
         with generator.turn_session() as store:
             assert store is not None and store.max_bytes == mb * 2**20
@@ -165,7 +165,7 @@ def test_auto_names_itself_in_the_warning(
     _, said = cap_warnings(
         lambda: play(make_gen(model, tok, True), tok, openings(tok), 2, sampling)
     )
-    assert len(said) == 1 and "(auto: 40% of the memory free when the rollout began)" in said[0]
+    assert len(said) == 1 and "(auto: 20% of the memory free when the rollout began)" in said[0]
 
 
 def test_no_warning_when_every_row_fits(tiny: tuple[Any, Any]) -> None:

@@ -195,7 +195,7 @@ class GeneratorConfig(_Section):
     turn_cache_mb: float | Literal["auto"] = Field(
         "auto",
         description="Memory cap of the turn cache (MiB); episodes past it re-prefill their "
-        "conversation next turn (a warning says how many, once per rollout). auto = 40% of the "
+        "conversation next turn (a warning says how many, once per rollout). auto = 20% of the "
         "memory free when each rollout starts (the model's GPU, else the host's MemAvailable), "
         "at least 1024.",
     )
