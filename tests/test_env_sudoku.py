@@ -10,7 +10,6 @@ from rlvr.envs.base import split_instances
 from rlvr.envs.sudoku import (
     SudokuEnv,
     SudokuFamily,
-    candidates,
     count_solutions,
     grid_problems,
     make_task,
@@ -358,18 +357,6 @@ def test_the_red_team_kit_and_sudoku_farming_probes_pay_no_cells() -> None:
 
 
 # ------------------------------------------------------------------------- demonstrations (demos)
-def test_candidates_are_the_digits_no_given_peer_holds() -> None:
-    # 1.3. / 3..2 / 2.4. / ..21
-    options = candidates(cells(PUZZLE))
-    assert options[0] == [1] and options[2] == [3]  # givens: their own digit
-    assert options[1] == [2, 4]  # row 1 has 1, 3; column 2 nothing; the box 1, 3
-    assert options[3] == [4]  # row 1: 1, 3; column 4: 2, 1; the box: 3, 2
-    assert options[12] == [4]  # row 4: 2, 1; column 1: 1, 3, 2
-    assert options[13] == [3, 4]  # row 4: 2, 1; column 2 nothing; the box: 2
-    solution = cells(SOLUTION)
-    assert all(solution[i] in opts for i, opts in enumerate(options))
-
-
 def test_random_action_keeps_givens_and_fills_blanks_with_random_digits() -> None:
     import random
 

@@ -27,15 +27,16 @@ Reward parts (weights in `SudokuFamily.reward_weights`):
   dominant: a solved episode earns 1.0 + 0.1 + 0.5 = 1.6, an unsolved one at most
   0.1 + 0.5 (k-1)/k < 0.6 for k blanks, and a full `cells` is worth half a solve.
   What it does not stop: correct digits by luck. A constant digit earns the share of blanks whose
-  answer is that digit, a uniform random digit a quarter in expectation, a fill from each
-  blank's candidates (`candidates`) 0.9. That floor is open to every member of a group, so only answers with more blanks right than
-  their group's others get a positive advantage. Puzzles without a stored solution and with more
-  than one completion (hand-made ones only) pay `cells` 1.0 on a valid grid and 0 otherwise.
+  answer is that digit, a uniform random digit a quarter in expectation, a fill from each blank's
+  candidates (digits no given peer holds) 0.9. That floor is open to every member of a group, so
+  only answers with more blanks right than their group's others get a positive advantage. Puzzles
+  without a stored solution and with more than one completion (hand-made ones only) pay `cells`
+  1.0 on a valid grid and 0 otherwise.
 
 Demonstration policies (rlvr.envs.demos): `random_action` keeps the givens and fills each blank with
 a uniform random digit: the answer's shape and "keep the givens", not the logic (it solves a 6-blank
-puzzle with probability 4^-6). Filling each blank from its candidates instead (`candidates`, digits
-no given in its row, column or box holds) was tried and rejected for the warm-up: most blanks of a
+puzzle with probability 4^-6). Filling each blank from its candidates instead (the digits no given
+in its row, column or box holds) was tried and rejected for the warm-up: most blanks of a
 4x4 puzzle have one candidate, so 52% of such fills were the solution over 2000 train puzzles
 (6 blanks, 5 fills each, 2026-12-01; 72% with 5 blanks, 89% with 4): a warm-up on them would teach
 single-candidate elimination, i.e. much of the task, and the efficacy table's warm-up rows promise
@@ -128,16 +129,6 @@ def unique_solution(puzzle: Grid) -> Grid | None:
     if len(found) != 1 or grid_problems(found[0], puzzle):
         return None
     return found[0]
-
-
-def candidates(puzzle: Grid) -> list[list[int]]:
-    """Per cell, the digits it may hold given the puzzle's givens alone: a given's own digit; for a
-    blank, 1-4 less those its row, column and box givens hold (never empty for a solvable puzzle:
-    the solution's digit is always among them)."""
-    return [
-        [given] if given else [d for d in range(1, 5) if d not in {puzzle[j] for j in _PEERS[i]}]
-        for i, given in enumerate(puzzle)
-    ]
 
 
 def blank_share(grid: Grid, puzzle: Grid, solution: Grid) -> float:

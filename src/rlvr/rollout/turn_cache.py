@@ -14,9 +14,10 @@ prefill. Lifetime, as the engine uses it: an entry lives until the next `generat
 either continued (and replaced by the longer entry of the new turn) or dropped (its episode ended).
 The store holds at most `max_bytes` (`generator.turn_cache_mb`; `auto`: `auto_cap_mb` when the
 session opens); rows past the cap are not kept (their next turn prefills in full, counted in
-`stats["past_cap"]`, and HFGenerator warns once per session: `cap_warning`). The whole store is dropped when the weights change (a parameter's version counter or a checksum of
-the trainable weights moved: `weights_fingerprint`), when the forward that computed the entries changes
-(HF's or the fast path's, its copy's dtype, LoRA adapters switched: the key HFGenerator passes to
+`stats["past_cap"]`, and HFGenerator warns once per session: `cap_warning`). The whole store is
+dropped when the weights change (a parameter's version counter or a checksum of the trainable
+weights moved: `weights_fingerprint`), when the forward that computed the entries changes (HF's or
+the fast path's, its copy's dtype, LoRA adapters switched: the key HFGenerator passes to
 `check_weights`), and when the engine's rollout ends (`HFGenerator.turn_session`), which is before
 every update.
 
