@@ -298,7 +298,7 @@ def row_result(
         "train_minutes": wall,
         "budget_minutes": budget_minutes,
         "cpu": cpu_kind(),
-        "precision": "bf16 autocast" if use_bf16(cfg.model) else "fp32",
+        "precision": precision_text(cfg),
         "date": time.strftime("%Y-%m-%d"),
         "target": row.target,
         "met": met(row, acc_before, acc_after, wall, after["tool_call_rate"]),
@@ -307,6 +307,21 @@ def row_result(
     }
     print(f"[{row.name}] {json.dumps(result)}", flush=True)
     return result
+
+
+def precision_text(cfg: Any) -> str:
+    """The row's precision column: the update's, plus the sampling copy's when `decode: fast`
+    samples from a bf16 copy of the weights (learning under it is what such a row measures)."""
+    from rlvr.build import use_bf16
+
+    update = "bf16 autocast" if use_bf16(cfg.model) else "fp32"
+    gen = cfg.generator
+    if gen.decode != "fast":
+        return update
+    copy_bf16 = gen.decode_dtype == "bfloat16" or (
+        gen.decode_dtype == "auto" and use_bf16(cfg.model)
+    )
+    return f"{update}; sampling: own decode, {'bf16' if copy_bf16 else 'fp32'} copy"
 
 
 def measure_warmup(

@@ -393,3 +393,25 @@ def test_a_row_says_its_base_came_from_the_cache(
     warm = [p for p in scored if p == "loaded:warm-model"]
     assert len(warm) == (3 if row_name.endswith("warmup") else 0)
     assert len(scored) - len(warm) == 3  # the trained model, every run
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        ([], "fp32"),
+        (["generator.decode=fast"], "fp32; sampling: own decode, fp32 copy"),
+        (
+            ["generator.decode=fast", "generator.decode_dtype=bfloat16"],
+            "fp32; sampling: own decode, bf16 copy",
+        ),
+        (["generator.decode_dtype=bfloat16"], "fp32"),  # the copy exists only on the fast path
+    ],
+)
+def test_precision_column_names_the_sampling_copy(
+    efficacy: ModuleType, sets: list[str], expected: str
+) -> None:
+    """A row sampled from a bf16 copy says so: learning under that copy is what it measures."""
+    from rlvr.config import load_config
+
+    cfg = load_config(ROOT / "examples" / "quickstart.yaml", ["model.bf16=off", *sets])
+    assert efficacy.precision_text(cfg) == expected
