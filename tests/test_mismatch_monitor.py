@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import rlvr.serve.completions as completions
-from rlvr.config import RunConfig, load_config
+from rlvr.config import RunConfig, bf16_sampling_copy, load_config
 from rlvr.models import load_policy
 from rlvr.observe.mismatch import (
     BEHAVIOUR_METRIC,
@@ -52,6 +52,56 @@ def test_the_threshold_follows_the_precision_of_both_sides() -> None:
     )
     assert pinned is not None and (pinned.precision, pinned.threshold) == ("fp32", 5e-4)
     assert mismatch_setup(_cfg(monitors={"sampler_mismatch": {"enabled": False}})) is None
+
+
+@pytest.mark.parametrize(
+    ("generator", "objective", "tis_cap", "precision"),
+    [
+        ({"decode": "fast", "decode_dtype": "bfloat16"}, {}, 2.0, "bf16"),
+        ({"decode": "fast", "decode_dtype": "float32"}, {}, None, "fp32"),
+        ({"decode": "fast"}, {}, None, "fp32"),  # auto follows model.bf16: off
+        ({"decode_dtype": "bfloat16"}, {}, None, "fp32"),  # decode hf: no copy to sample from
+        ({"decode": "fast", "decode_dtype": "bfloat16"}, {"tis_cap": 1.5}, 1.5, "bf16"),
+        ({"decode": "fast", "decode_dtype": "bfloat16"}, {"tis_cap": None}, None, "bf16"),
+    ],
+)
+def test_a_bf16_sampling_copy_turns_tis_on_and_the_bf16_threshold(
+    generator: dict[str, Any], objective: dict[str, Any], tis_cap: float | None, precision: str
+) -> None:
+    """decode: fast from a bf16 copy of the weights samples in bf16 while the fp32 trainer scores:
+    measured 0.01-0.057 per token on SmolLM2, so truncated IS is on unless the user set tis_cap
+    (null opts out) and the monitor judges it against the bf16 threshold, not the fp32 one."""
+    cfg = _cfg(generator=generator, objective=objective)
+    assert cfg.objective.tis_cap == tis_cap
+    s = mismatch_setup(cfg)
+    assert s is not None and s.precision == precision
+    if precision == "bf16":
+        assert s.threshold == 0.1 and "bf16 copy" in s.why and "decode_dtype" in s.why
+
+
+@pytest.mark.precision  # decode_dtype and model.bf16 left out resolve through `auto`
+@pytest.mark.parametrize("auto_bf16", ["on", "off"])
+def test_the_raw_config_rule_and_the_resolved_one_agree(
+    auto_bf16: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The TIS default reads the raw dict, the monitor the resolved config: both ask
+    `bf16_sampling_copy`, with the fields' defaults where the raw dict leaves them out."""
+    monkeypatch.setenv("RLVR_AUTO_BF16", auto_bf16)
+    copies = 0
+    for decode in (None, "hf", "fast"):
+        for dtype in (None, "auto", "float32", "bfloat16"):
+            for bf16 in (None, "auto", "on", "off"):
+                gen = {k: v for k, v in (("decode", decode), ("decode_dtype", dtype)) if v}
+                raw: dict[str, Any] = {"generator": gen, "model": {"bf16": bf16} if bf16 else {}}
+                cfg = RunConfig.model_validate(raw)
+                g = cfg.generator
+                copy = bf16_sampling_copy(g.backend, g.decode, g.decode_dtype, cfg.model.bf16)
+                assert (cfg.objective.tis_cap == 2.0) == copy, raw
+                s = mismatch_setup(cfg)
+                assert s is not None and (s.precision == "bf16") >= copy, raw
+                copies += copy
+    # fast with bfloat16 (3 bf16 settings) or auto/left out where bf16 resolves on
+    assert copies == 4 + (2 * 3 if auto_bf16 == "on" else 2)
 
 
 def test_the_behaviour_gap_is_not_read_where_it_is_stale_or_renormalised_by_design() -> None:

@@ -97,7 +97,9 @@ def build_policy(cfg: RunConfig) -> Policy:
 
 def decode_options(cfg: RunConfig) -> dict[str, Any]:
     """HFGenerator's `decode` and `decode_dtype` from `generator.decode` / `generator.decode_dtype`
-    (dtype auto: None, which HFGenerator resolves as its bf16 autocast setting)."""
+    (dtype auto: None, which HFGenerator resolves as its bf16 autocast setting). Whether that is a
+    bf16 copy of the weights: `rlvr.config.bf16_sampling_copy` (truncated IS and the mismatch monitor
+    follow it)."""
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     return {
         "decode": cfg.generator.decode,

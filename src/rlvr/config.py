@@ -24,6 +24,19 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def bf16_sampling_copy(backend: Any, decode: Any, decode_dtype: Any, bf16: Any) -> bool:
+    """Whether the sampler decodes from a bf16 copy of the weights while the trainer scores with its
+    own: an in-process generator (`generator.backend: hf`) with `generator.decode: fast` and
+    `decode_dtype: bfloat16`, or `auto` with `model.bf16` resolving on (as rlvr.build's
+    `decode_options` and HFGenerator resolve it). Plain values, so that both the resolved config
+    (the mismatch monitor) and the raw dict (the truncated-IS default below) ask the same question."""
+    if backend == "server" or decode != "fast" or decode_dtype not in ("auto", "bfloat16"):
+        return False
+    from rlvr.build import bf16_setting_on  # lazily: rlvr.build imports this module
+
+    return decode_dtype == "bfloat16" or bf16_setting_on(str(bf16))
+
+
 class LoraConfig(_Section):
     enabled: bool = Field(False, description="Train LoRA adapters instead of all weights.")
     r: int = Field(16, ge=1, description="Adapter rank.")
@@ -226,7 +239,9 @@ class GeneratorConfig(_Section):
         "auto",
         description="decode: fast, the weight copy's dtype: bfloat16 halves the bytes a decode "
         "step reads (activations stay float32); auto = bfloat16 exactly when model.bf16 resolves "
-        "on, else float32.",
+        "on, else float32. A bf16 copy samples with other numerics than the trainer's: truncated "
+        "importance sampling is then on by default (objective.tis_cap) and the sampler_mismatch "
+        "monitor uses its bf16 threshold.",
     )
 
 
@@ -364,7 +379,9 @@ class ObjectiveConfig(_Section):
         None,
         gt=0.0,
         description="Truncated importance sampling: weight each token by min(pi_old / "
-        "pi_behaviour, cap) when another engine generates (Yao et al. 2025; 2.0 is usual).",
+        "pi_behaviour, cap) when another engine generates (Yao et al. 2025; 2.0 is usual). "
+        "Unless set (null turns it off), 2.0 with a server backend, async rollouts, or decode: "
+        "fast from a bf16 weight copy (generator.decode_dtype).",
     )
     overlong_buffer_fraction: float | None = Field(
         None,
@@ -686,7 +703,8 @@ class SamplerMismatchMonitor(_Section):
         "auto",
         description="Which threshold applies. auto: fp32 when the trainer and the sampler are both "
         "known fp32 (model.bf16 off and an in-process or `rlvr serve` sampler), else bf16 (a vLLM "
-        "or hand-started server is assumed to serve bf16).",
+        "or hand-started server is assumed to serve bf16; decode: fast from a bf16 weight copy "
+        "samples in bf16).",
     )
     max_abs_diff_fp32: float = Field(
         1e-3,
@@ -923,14 +941,27 @@ class RunConfig(_Section):
     @classmethod
     def _tis_on_when_off_engine(cls, data: Any) -> Any:
         """Truncated importance sampling (cap 2.0, Yao et al. 2025) unless the user set tis_cap: on
-        when another engine (a server) or older weights (async rollouts) sample the tokens."""
+        when another engine (a server), older weights (async rollouts) or a bf16 copy of the weights
+        (decode: fast, `bf16_sampling_copy`) sample the tokens."""
         if not isinstance(data, dict):
             return data
         gen, rollout = data.get("generator") or {}, data.get("rollout") or {}
-        objective = data.get("objective") or {}
+        objective, model = data.get("objective") or {}, data.get("model") or {}
         off_engine = isinstance(gen, dict) and gen.get("backend") == "server"
         stale = isinstance(rollout, dict) and bool(rollout.get("async_rollouts"))
-        if (off_engine or stale) and isinstance(objective, dict) and "tis_cap" not in objective:
+        bf16_copy = isinstance(gen, dict) and bf16_sampling_copy(
+            gen.get("backend"),
+            gen.get("decode"),
+            gen.get("decode_dtype", GeneratorConfig.model_fields["decode_dtype"].default),
+            model.get("bf16", ModelConfig.model_fields["bf16"].default)
+            if isinstance(model, dict)
+            else None,
+        )
+        if (
+            (off_engine or stale or bf16_copy)
+            and isinstance(objective, dict)
+            and "tis_cap" not in objective
+        ):
             data = {**data, "objective": {**objective, "tis_cap": 2.0}}
         return data
 

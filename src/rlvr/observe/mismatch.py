@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rlvr.config import RunConfig
+from rlvr.config import RunConfig, bf16_sampling_copy
 from rlvr.observe.monitors import Finding, History, Rule
 
 CANARY_METRIC = "sync/canary_logprob_abs_diff"
@@ -51,11 +51,12 @@ def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
     """The monitor's settings for `cfg`; None when it is off.
 
     precision auto: fp32 only when both sides are known fp32 (model.bf16 off, and the sampler is
-    in process or `rlvr serve`, which samples in fp32); a vLLM or hand-started server is assumed to
-    serve bf16 (vLLM's dtype auto takes the checkpoint's, usually bf16). The behaviour metric is not
-    read with async rollouts (the sampler is one update behind by design) nor with top_p < 1 on a
-    server other than rlvr serve (vLLM renormalises its log-probs over the nucleus, the trainer does
-    not): the canary still is."""
+    in process without a bf16 weight copy to decode from (`bf16_sampling_copy`: decode fast with a
+    bf16 decode_dtype), or `rlvr serve`, which samples in fp32); a vLLM or hand-started server is
+    assumed to serve bf16 (vLLM's dtype auto takes the checkpoint's, usually bf16). The behaviour
+    metric is not read with async rollouts (the sampler is one update behind by design) nor with
+    top_p < 1 on a server other than rlvr serve (vLLM renormalises its log-probs over the nucleus,
+    the trainer does not): the canary still is."""
     from rlvr.build import use_bf16
 
     c = cfg.monitors.sampler_mismatch
@@ -69,6 +70,9 @@ def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
         precision, why = c.precision, "monitors.sampler_mismatch.precision"
     elif trainer_bf16:
         precision, why = "bf16", "the trainer runs under bf16 autocast (model.bf16)"
+    elif bf16_sampling_copy(g.backend, g.decode, g.decode_dtype, cfg.model.bf16):
+        precision = "bf16"
+        why = "the sampler decodes from a bf16 copy of the weights (generator.decode_dtype)"
     elif sampler_bf16:
         precision, why = "bf16", "a server other than rlvr serve is assumed to sample in bf16"
     else:
