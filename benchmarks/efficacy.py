@@ -273,8 +273,6 @@ def row_result(
     base: str,
 ) -> dict[str, Any]:
     """The JSONL object of one measured row (a warm-up row adds its own keys to it)."""
-    from rlvr.build import use_bf16
-
     low, high = paired_bootstrap_ci(before["pass1"], after["pass1"])
     acc_before, acc_after = statistics.fmean(before["pass1"]), statistics.fmean(after["pass1"])
     result = {
@@ -313,14 +311,13 @@ def precision_text(cfg: Any) -> str:
     """The row's precision column: the update's, plus the sampling copy's when `decode: fast`
     samples from a bf16 copy of the weights (learning under it is what such a row measures)."""
     from rlvr.build import use_bf16
+    from rlvr.config import bf16_sampling_copy
 
     update = "bf16 autocast" if use_bf16(cfg.model) else "fp32"
     gen = cfg.generator
     if gen.decode != "fast":
         return update
-    copy_bf16 = gen.decode_dtype == "bfloat16" or (
-        gen.decode_dtype == "auto" and use_bf16(cfg.model)
-    )
+    copy_bf16 = bf16_sampling_copy(gen.backend, gen.decode, gen.decode_dtype, cfg.model.bf16)
     return f"{update}; sampling: own decode, {'bf16' if copy_bf16 else 'fp32'} copy"
 
 
