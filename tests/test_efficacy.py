@@ -415,3 +415,28 @@ def test_precision_column_names_the_sampling_copy(
 
     cfg = load_config(ROOT / "examples" / "quickstart.yaml", ["model.bf16=off", *sets])
     assert efficacy.precision_text(cfg) == expected
+
+
+def test_every_row_config_loads_with_its_overrides(efficacy: ModuleType) -> None:
+    """A typo in a row's override would otherwise surface minutes into a measurement."""
+    from rlvr.config import load_config
+    from rlvr.pipeline import first_rl_config, load_pipeline_config
+
+    for row in efficacy.ROWS:
+        path = efficacy.EXAMPLES / row.config
+        sets = [*row.overrides, *efficacy.RL_RUN_OVERRIDES]
+        if row.pipeline:
+            stages = load_pipeline_config(path).stages
+            rl = next(i for i, s in enumerate(stages) if s.kind == "rl")
+            cfg = first_rl_config(
+                load_pipeline_config(path, [f"stages.{rl}.config.{e}" for e in sets]),
+                efficacy.EXAMPLES,
+            )
+        else:
+            cfg = load_config(path, sets)
+        assert cfg is not None, row.name
+        assert cfg.task.source == ("env" if row.name != "arithmetic" else "arithmetic"), row.name
+        if "slippery" in row.name:
+            assert cfg.task.env.options["slippery"] is True, row.name
+        if "gigpo" in row.name:
+            assert cfg.objective.credit == "gigpo", row.name
