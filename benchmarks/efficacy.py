@@ -97,6 +97,9 @@ ROWS = [
                                       "rollout.max_total_tokens=192")),
     Row("calculator-2op-curriculum", "calculator, 2 operations, via a 1 -> 2 curriculum",
         "env_calculator_curriculum.yaml", ">= 50%", target_after=0.50),
+    Row("calculator-2op-warmup", "calculator, 2 operations; format warm-up (random expressions over "
+        "every number), then RL", "env_calculator_2op_warmup.yaml", ">= 50%", target_after=0.50,
+        pipeline=True),
     Row("bandit", "bandit", "env_bandit.yaml", "best arm >= 95%", target_after=0.95,
         overrides=HELDOUT_200),
     Row("frozenlake", "frozenlake 4x4, not slippery", "env_frozenlake.yaml", "+30 points",

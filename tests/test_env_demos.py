@@ -259,6 +259,57 @@ def test_calculator_random_turns_call_then_answer_the_result() -> None:
     assert family.random_action(task, messages, rng) == "<answer>1234</answer>"  # type: ignore[attr-defined]
 
 
+def _first_call_expression(family: Any, task: Task, seed: int) -> str:
+    call = family.random_action(task, [], random.Random(seed))
+    assert call.startswith("<tool_call>\n") and call.endswith("\n</tool_call>")
+    return str(json.loads(call.split("\n")[1])["arguments"]["expression"])
+
+
+def test_calculator_random_call_uses_every_number_of_a_three_number_question() -> None:
+    """On a 2-operation question (three numbers) the first call is one expression over all three,
+    in a random order with random operators and grouping, which the calculator evaluates; a
+    2-number question keeps `a op b` with the same random draws as before. Not one call on two
+    of the numbers: that demo teaches the collapse RL fell into on 2-operation problems."""
+    from rlvr.envs.calculator import evaluate_arithmetic
+
+    family = get_env_family("calculator", {"num_operations": 2})
+    task: Task = family.generate(0)
+    numbers = sorted(re.findall(r"\d+", str(task.messages[-1]["content"])))
+    assert len(numbers) == 3
+    shapes = set()
+    for seed in range(200):
+        expression = _first_call_expression(family, task, seed)
+        assert sorted(re.findall(r"\d+", expression)) == numbers, expression  # each once
+        evaluate_arithmetic(expression)  # parses and evaluates: no ValueError
+        shapes.add(re.sub(r"\d+", "n", expression))
+    assert len(shapes) >= 2 and any(s.startswith("n ") for s in shapes), shapes
+    assert any(s.startswith("(") for s in shapes), shapes  # both groupings occur
+
+    one_op = get_env_family("calculator", {"num_operations": 1})
+    for seed in range(50):
+        two: Task = one_op.generate(seed)
+        question = re.findall(r"\d+", str(two.messages[-1]["content"]))
+        assert len(question) == 2
+        rng = random.Random(seed)
+        a, b = rng.sample(question, 2)  # the previous policy, draw for draw
+        assert _first_call_expression(one_op, two, seed) == f"{a} {rng.choice('+-*')} {b}"
+
+
+def test_calculator_random_call_rarely_solves_two_operation_problems() -> None:
+    """A format warm-up must not be a solver. Measured: the random expression over every number
+    equals the answer on 22 of 500 train 2-operation tasks (4.4%); 1-operation ones, 31%
+    (unchanged: two numbers, one operator)."""
+    from rlvr.envs.calculator import evaluate_arithmetic
+
+    family = get_env_family("calculator", {"num_operations": 2})
+    train, _ = family.make_splits(500, 0)
+    hits = sum(
+        evaluate_arithmetic(_first_call_expression(family, task, seed)) == task.fields["answer"]
+        for seed, task in enumerate(train)
+    )
+    assert hits / len(train) < 0.5
+
+
 def test_a_pipeline_warms_up_on_env_demos_then_runs_rl(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:

@@ -11,9 +11,16 @@ last number in the turn). Reward parts: `success` (1.0 for the exact answer), `f
 final answer is in an answer tag; weight 0.1), `used_tool` (1.0 when at least one call returned a
 result; weight 0: logged, not optimised, so the policy is paid for answers, not for calling).
 
-Demonstration policy (rlvr.envs.demos): `random_action` calls the calculator on two numbers of the
-question joined by a random operator, then answers the tool's result: the call and answer formats
-and the protocol, with the operation chosen blindly (a format warm-up). No scripted policy: a task
+Demonstration policy (rlvr.envs.demos): `random_action` calls the calculator once on an expression
+over EVERY number of the question (in a random order, with random operators from + - * and a random
+parenthesisation, e.g. `(56 * 35) - 235` or `56 * (35 - 235)`; two numbers and one operator when
+the question has two), then answers the tool's result: the call and answer formats and the
+protocol, with the expression chosen blindly (a format warm-up). Not one call on two of three
+numbers: that demo teaches the habit RL collapsed onto on 2-operation problems (one call, its
+result answered; the Echo Trap). As countdown's random expressions, it shows that one expression
+can use every number, and still rarely hits the answer (tests/test_env_demos.py). A call on three
+numbers is 38-40 SmolLM2 tokens: give it sampling.max_new_tokens 48, or the engine cuts (and the
+demos drop) most of them (examples/env_calculator_2op_warmup.yaml). No scripted policy: a task
 stores its answer, not the expression.
 """
 
@@ -225,16 +232,40 @@ class CalculatorFamily(EnvFamily):
         return CalculatorEnv(task)
 
     def random_action(self, task: Task, messages: list[Message], rng: random.Random) -> str:
-        """First turn: a calculator call on two of the question's numbers with a random operator
-        (Hermes format, as the prompt's demonstration); then the answer tag around the tool's
-        last result (a random number of the question when the call failed)."""
+        """First turn: one calculator call (Hermes format, as the prompt's demonstration) on a random
+        expression over every number of the question: the numbers in a random order, random
+        operators from + - *, a random parenthesisation (two numbers: `a op b`). Then the answer
+        tag around the tool's last result (a random number of the question when the call failed).
+
+        Why every number: a demo of one call on two of three numbers teaches exactly the collapse
+        RL fell into on 2-operation problems (one call, its result answered, zero reward variance).
+        An expression over all of them teaches that a call can combine every number, as countdown's
+        random expressions do; the choice is blind (it never reads the answer), so it rarely hits
+        the answer and stays a format warm-up, not a solver."""
         numbers = re.findall(r"\d+", str(task.messages[-1]["content"]))
         if not any(m.get("role") == "assistant" for m in messages):
-            a, b = rng.sample(numbers, 2)  # every question has two or three numbers
-            expression = f"{a} {rng.choice('+-*')} {b}"
+            # every question has two or more numbers (a 3-operation one repeats one of them)
+            expression = _random_expression(rng.sample(numbers, len(numbers)), rng)
             call = {"name": "calculator", "arguments": {"expression": expression}}
             return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
         result = str(messages[-1].get("content", "")).strip() if messages else ""
         if not re.fullmatch(r"-?\d+(\.\d+)?", result):
             result = rng.choice(numbers or ["0"])
         return f"<answer>{result}</answer>"
+
+
+def _random_expression(numbers: list[str], rng: random.Random) -> str:
+    """The numbers in this order, joined by random operators from + - * under a random binary
+    bracketing (split point uniform at each level); every compound operand is parenthesised, the
+    whole is not: `(56 * 35) - 235`, `56 * (35 - 235)`."""
+
+    def build(part: list[str]) -> tuple[str, bool]:  # (text, compound)
+        if len(part) == 1:
+            return part[0], False
+        # two numbers: no split drawn, so `a op b` takes the same random draws as before
+        k = 1 if len(part) == 2 else rng.randint(1, len(part) - 1)
+        (left, lc), (right, rc) = build(part[:k]), build(part[k:])
+        op = rng.choice("+-*")
+        return f"{f'({left})' if lc else left} {op} {f'({right})' if rc else right}", True
+
+    return build(numbers)[0]
