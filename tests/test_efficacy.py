@@ -441,3 +441,27 @@ def test_every_row_config_loads_with_its_overrides(efficacy: ModuleType) -> None
         credit = row.name.rsplit("-", 1)[-1]
         if credit in ("gigpo", "turn"):  # the credit rows differ from their baseline only there
             assert cfg.objective.credit == credit and cfg.objective.gamma == 0.95, row.name
+
+
+def test_a_row_left_unrun_on_purpose_says_why(efficacy: ModuleType) -> None:
+    """An unmeasured row prints the reason it is not run (or `not measured yet`); a result, once
+    there is one, replaces the reason."""
+    first = "| sokoban, smallest room (5x5, 1 box) |"
+
+    def sokoban_line(table: str) -> str:
+        (line,) = [line for line in table.splitlines() if line.startswith(first)]
+        return line
+
+    reason = "| not run: bare SmolLM2 wrote the answer format in 0 of 32 first turns of sokoban"
+    assert reason in sokoban_line(efficacy.render([]))
+    unrun = [row.name for row in efficacy.ROWS if row.not_run]
+    assert set(unrun) == {"frozenlake-slippery", "sokoban", "countdown", "sudoku"}
+    assert all(f"{name}-warmup" in efficacy.BY_NAME for name in unrun)  # what measures the task
+    measured = {
+        "row": "sokoban", "task": "sokoban, smallest room (5x5, 1 box)", "target": "+15 points",
+        "n": 200, "before": 0.0, "after": 0.02, "gain": 0.02, "gain_ci95": [0.0, 0.04], "k": 1,
+        "tool_call_rate_after": 0.0, "turns_after": 8.0, "steps": 9, "train_minutes": 25.0,
+        "met": False, "cpu": "x", "command": "c",
+    }  # fmt: skip
+    line = sokoban_line(efficacy.render([measured]))
+    assert "not run" not in line and "| 200 | 0.0% |  | 2.0% |" in line
