@@ -92,11 +92,11 @@ TURN = ("objective.credit=turn", "objective.gamma=0.95")
 
 def no_format(tagged: int, env: str) -> str:
     """Why RL without a warm-up is not run on `env`: the base model almost never writes the answer
-    format (probe in docs/efficacy_notes.md, frozenlake section), so every group's rewards are equal
-    and RL has nothing to compare; frozenlake, the one such row measured, moved 0 -> 1% in 21.5 min."""
+    format (probe in docs/efficacy_notes.md, frozenlake section), so nearly every group's rewards are
+    equal and RL has almost nothing to compare; plain frozenlake, measured, moved 0 -> 1% in 21.5 min."""
     return (
         f"not run: bare SmolLM2 wrote the answer format in {tagged} of 32 first turns of {env} "
-        "train instances, so RL alone sees no reward spread (the plain frozenlake row: 0 -> 1% in "
+        "train instances, so RL alone sees almost no reward spread (plain frozenlake: 0 -> 1% in "
         "21.5 min); the warm-up row is this task's measurement"
     )
 
