@@ -144,13 +144,15 @@ def _index():
                 keep = [d for d in keep if d.startswith('__PACKAGE__')]
             subfolders[:] = keep
             for name in files:
+                # Checked per file, not per folder: a folder of large JSON files (a run's rollouts)
+                # read past the deadline pushed the probe over the sandbox's wall limit.
+                if time.monotonic() > deadline:
+                    return _INDEX
                 if name.endswith(('.json', '.jsonl')):
                     try:
                         _read(os.path.join(folder, name), _INDEX)
                     except Exception:
                         pass
-            if time.monotonic() > deadline:
-                return _INDEX
     return _INDEX
 
 def __ENTRY__(*args):
