@@ -143,9 +143,11 @@ def _index():
             if os.path.basename(folder) == 'site-packages':
                 keep = [d for d in keep if d.startswith('__PACKAGE__')]
             subfolders[:] = keep
+            if time.monotonic() > deadline:  # per folder (trees of folders without files) ...
+                return _INDEX
             for name in files:
-                # Checked per file, not per folder: a folder of large JSON files (a run's rollouts)
-                # read past the deadline pushed the probe over the sandbox's wall limit.
+                # ... and per file: a folder of large JSON files (a run's rollouts) read past the
+                # deadline pushed the probe over the sandbox's wall limit.
                 if time.monotonic() > deadline:
                     return _INDEX
                 if name.endswith(('.json', '.jsonl')):
