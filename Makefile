@@ -23,9 +23,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/rlvr train examples/quickstart.yaml --overwrite
 
-# The suite as `model.bf16: auto` resolves here (fp32 unless RLVR_AUTO_BF16 says otherwise), then the
-# tests marked `precision` (their path depends on `auto`) again with auto resolved the other way (bf16
-# autocast), on any CPU kind: no machine can land a change that breaks the other path (tests/conftest.py).
+# The suite with `model.bf16: auto` resolved to fp32 (tests/conftest.py pins RLVR_AUTO_BF16=off unless
+# set: a real run measures the host instead, rlvr.train.precision_choice), then the tests marked
+# `precision` (their path depends on `auto`) again with auto resolved the other way (bf16 autocast), on
+# any CPU kind: no machine can land a change that breaks the other path.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	@other=$$($(BIN)/python -c "from rlvr.build import native_bf16; print('off' if native_bf16() else 'on')"); \

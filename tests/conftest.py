@@ -16,6 +16,10 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# `model.bf16: auto` measures the host in a real run (rlvr.train.precision_choice); tests must not
+# time tiny models or write to ~/.cache, so auto is fp32 here unless the caller says otherwise
+# (`make test` runs the `precision` tests a second time with RLVR_AUTO_BF16=on).
+os.environ.setdefault("RLVR_AUTO_BF16", "off")
 
 
 @pytest.fixture(scope="session")

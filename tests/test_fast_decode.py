@@ -339,4 +339,4 @@ def test_config_switch_reaches_the_generator(tiny_model_dir: Path) -> None:
     generator = build_generator(load_policy(str(tiny_model_dir)), cfg)
     assert generator.decode == "fast" and generator.decode_dtype == torch.bfloat16
     default = RunConfig.model_validate({"model": {"name": str(tiny_model_dir), "bf16": "off"}})
-    assert decode_options(default) == {"decode": "hf", "decode_dtype": None}
+    assert decode_options(default) == {"decode": "hf", "decode_dtype": torch.float32}

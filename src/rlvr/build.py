@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rlvr.config import ModelConfig, RewardSpec, RunConfig
+from rlvr.config import ModelConfig, RewardSpec, RunConfig, bf16_sampling_copy
 from rlvr.errors import ConfigError
 from rlvr.models import LoraSettings, Policy, eos_token_ids, load_policy
 from rlvr.optim import adamw
@@ -43,15 +43,14 @@ AUTO_BF16_ENV = "RLVR_AUTO_BF16"
 
 
 def native_bf16() -> bool:
-    """Whether `model.bf16: auto` turns bf16 autocast on here: off on every CPU unless
-    `RLVR_AUTO_BF16=on|off` says otherwise (`model.bf16: on` still forces it).
+    """What `model.bf16: auto` resolves to where nothing was measured: `RLVR_AUTO_BF16=on|off` when
+    set, else fp32 (`model.bf16: on` still forces bf16).
 
-    Measured: on an AVX2-only EPYC bf16 matmuls ran at 15 GFLOP/s against 120 in fp32; on CPUs with
-    native bf16 (avx512_bf16) autocast made the step slower than fp32 (issue 18), and the demo
-    (examples/quickstart.yaml, seed 0) barely learned under it: train reward 0.03-0.2 over its first
-    9 steps against 0.0 -> 0.69 in fp32, held-out 9.5% -> 24% after 30 steps against ~60% in fp32
-    (2-core AMD EPYC with avx512_bf16; docs/performance.md). `cpu_has_bf16()` still reports the
-    hardware.
+    The RL loop measures instead (rlvr.train.precision_choice: bf16 for the update only where it is
+    faster on this host) and records the answer per model name (`record_auto_bf16`). Unmeasured,
+    `auto` stays fp32: on an AVX2-only EPYC bf16 matmuls ran at 15 GFLOP/s against 120 in fp32, and on
+    an Intel Xeon with avx512_bf16 autocast made the step slower (issue 18). `cpu_has_bf16()`
+    reports the hardware.
     """
     forced = os.environ.get(AUTO_BF16_ENV, "").strip().lower()
     if forced in ("on", "off"):
@@ -71,13 +70,28 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def bf16_setting_on(setting: str) -> bool:
-    """Whether a `bf16: auto | on | off` setting means bf16 autocast on this host."""
-    return setting == "on" or (setting == "auto" and native_bf16())
+# `model.bf16: auto` as measured by the RL loop for a model name (rlvr.train.precision_choice).
+_MEASURED_AUTO_BF16: dict[str, bool] = {}
+
+
+def record_auto_bf16(model_name: str, bf16: bool) -> None:
+    """Make `auto` mean `bf16` for `model_name` in this process (RLVR_AUTO_BF16 still wins)."""
+    _MEASURED_AUTO_BF16[model_name] = bf16
+
+
+def bf16_setting_on(setting: str, model_name: str | None = None) -> bool:
+    """Whether a `bf16: auto | on | off` setting means bf16 autocast on this host. `auto` is what was
+    measured for `model_name` in this process when it was, else `native_bf16()`."""
+    if setting != "auto":
+        return setting == "on"
+    if model_name in _MEASURED_AUTO_BF16 and not os.environ.get(AUTO_BF16_ENV, "").strip():
+        return _MEASURED_AUTO_BF16[model_name]
+    return native_bf16()
 
 
 def use_bf16(cfg: ModelConfig) -> bool:
-    return bf16_setting_on(cfg.bf16)
+    """Whether the trainer's matmuls run under bf16 autocast for this model config."""
+    return bf16_setting_on(cfg.bf16, cfg.name)
 
 
 def build_policy(cfg: RunConfig) -> Policy:
@@ -96,14 +110,15 @@ def build_policy(cfg: RunConfig) -> Policy:
 
 
 def decode_options(cfg: RunConfig) -> dict[str, Any]:
-    """HFGenerator's `decode` and `decode_dtype` from `generator.decode` / `generator.decode_dtype`
-    (dtype auto: None, which HFGenerator resolves as its bf16 autocast setting). Whether that is a
-    bf16 copy of the weights: `rlvr.config.bf16_sampling_copy` (truncated IS and the mismatch monitor
-    follow it)."""
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    """HFGenerator's `decode` and `decode_dtype` from `generator.decode` / `generator.decode_dtype`.
+    dtype auto: bfloat16 exactly when `rlvr.config.bf16_sampling_copy` says so (`model.bf16: on`, or
+    `auto` with RLVR_AUTO_BF16=on; the update's measured choice does not reach the sampler), so
+    truncated IS and the mismatch monitor follow the same answer."""
+    g = cfg.generator
+    copy_bf16 = bf16_sampling_copy(g.backend, g.decode, g.decode_dtype, cfg.model.bf16)
     return {
-        "decode": cfg.generator.decode,
-        "decode_dtype": dtypes.get(cfg.generator.decode_dtype),
+        "decode": g.decode,
+        "decode_dtype": torch.bfloat16 if copy_bf16 else torch.float32,
     }
 
 
@@ -113,7 +128,9 @@ def build_generator(policy: Policy, cfg: RunConfig) -> HFGenerator:
         policy.tokenizer,
         eos_token_ids(policy.model, policy.tokenizer),
         seed=cfg.train.seed,
-        autocast_bf16=use_bf16(cfg.model),
+        # Never autocast while sampling: the demo did not learn from an autocast sampler (see
+        # rlvr.train.precision_choice); a bf16 sampler is the fast path's weight copy.
+        autocast_bf16=False,
         turn_cache=cfg.generator.turn_cache,
         turn_cache_mb=cfg.generator.turn_cache_mb,
         **decode_options(cfg),

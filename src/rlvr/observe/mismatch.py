@@ -65,7 +65,8 @@ def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
     g = cfg.generator
     trainer_bf16 = use_bf16(cfg.model)
     known_fp32_server = g.backend == "server" and g.launch == "rlvr"
-    sampler_bf16 = trainer_bf16 if g.backend != "server" else not known_fp32_server
+    # In process the sampler never autocasts (rlvr.build); a bf16 copy is asked below.
+    sampler_bf16 = g.backend == "server" and not known_fp32_server
     if c.precision != "auto":
         precision, why = c.precision, "monitors.sampler_mismatch.precision"
     elif trainer_bf16:

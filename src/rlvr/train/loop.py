@@ -46,7 +46,7 @@ import yaml
 from rich.markup import escape
 
 from rlvr.algorithms import ALGORITHMS
-from rlvr.build import build_optimizer, build_policy, rollout_limits
+from rlvr.build import build_optimizer, build_policy, rollout_limits, use_bf16
 from rlvr.config import RunConfig, config_to_dict, load_config
 from rlvr.errors import ConfigError
 from rlvr.evaluate import check_error_fraction, check_eval_errors, evaluate_sources
@@ -68,6 +68,7 @@ from rlvr.observe.watchdog import Watchdog, watch
 from rlvr.records import flatten
 from rlvr.rollout.generator import SamplingParams
 from rlvr.tasks import TaskSplits
+from rlvr.train import precision_choice
 from rlvr.train.checkpoint import (
     latest_checkpoint,
     load_training_state,
@@ -140,6 +141,14 @@ def train(
     sources = Sources(cfg, config_dir, tasks)
     curriculum = Curriculum(cfg, sources, tasks)  # levels / scheduled weights (train/curriculum.py)
     policy = build_policy(cfg)
+    # `model.bf16: auto`: the update's precision measured on this host (train/precision_choice.py)
+    precision = precision_choice.PrecisionChoice(
+        use_bf16(cfg.model), f"model.bf16: {cfg.model.bf16}"
+    )
+    if cfg.model.bf16 == "auto":
+        precision = precision_choice.resolve(
+            policy.model, cfg.model.name, distributed=dist is not None
+        )
     # Made only now: a config, task or model that fails to load leaves no half-made run directory.
     open_run_dir(run_dir, overwrite=overwrite, main=dist is None or dist.is_main)
     # The effective config (a resume may change fields with --set), so `rlvr eval RUN_DIR` sees it.
@@ -234,6 +243,7 @@ def train(
             total=cfg.train.steps, start=start_step, enabled=cfg.tracking.progress and is_main
         )
         closers.append(progress.close)
+        progress.note(escape(precision.describe()))
         if resume and is_main:
             progress.console.print(
                 escape(f"resuming from step {start_step} (checkpoint {checkpoint})"),
@@ -351,6 +361,7 @@ def train(
                     "rollout_time": t_rollout,
                     "update_time": elapsed - t_rollout,
                     "tokens_per_second": n_tokens / elapsed,
+                    "perf/precision": precision.bits,  # 16: bf16 autocast update, 32: fp32
                 }
             )
             # 4. held-out eval, metrics, checkpoint

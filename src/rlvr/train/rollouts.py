@@ -116,7 +116,7 @@ class RolloutPlan:
             self.policy.tokenizer,
             eos_token_ids(model, self.policy.tokenizer),
             seed=seed,
-            autocast_bf16=use_bf16(self.cfg.model),
+            autocast_bf16=False,  # a bf16 sampler is the fast path's weight copy (rlvr.build)
             turn_cache=self.cfg.generator.turn_cache,
             turn_cache_mb=self.cfg.generator.turn_cache_mb,
             **decode_options(self.cfg),
