@@ -72,7 +72,7 @@ def test_native_bf16_is_chosen_only_when_measured_faster_by_the_margin(
     assert again.bf16 is picks_bf16 and "cached" in again.reason
     assert calls == [1]
     stored = json.loads(unforced.read_text())
-    assert list(stored.values())[0]["bf16_s"] == bf16_s
+    assert next(iter(stored.values()))["bf16_s"] == bf16_s
 
 
 def test_the_cache_is_per_model_shape(
