@@ -175,3 +175,46 @@ def test_an_rl_run_measures_logs_its_precision_and_samples_in_fp32(
     steps = [m for m in read_metrics(summary.run_dir) if "step_time" in m]
     assert [m["perf/precision"] for m in steps] == [16.0, 16.0]
     assert made and not any(made)  # every sampler the run built samples without autocast
+
+
+def test_a_bf16_reference_scores_exactly_as_autocast_did(tiny_model_dir: Path) -> None:
+    """Frozen reference weights rounded to bf16 once give the bits autocast's per-call casts gave."""
+    from rlvr.records import Trajectory
+    from rlvr.train.batch import collate, token_logprobs
+
+    policy = load_policy(str(tiny_model_dir), need_reference=True)
+    gen = torch.Generator().manual_seed(0)
+    trajectories = []
+    for i, (prompt, completion) in enumerate([(5, 7), (5, 4), (9, 6)]):
+        ids = tuple(int(t) for t in torch.randint(3, 60, (prompt + completion,), generator=gen))
+        trajectories.append(
+            Trajectory(
+                task_id=f"t{i}",
+                token_ids=ids,
+                policy_mask=(0,) * prompt + (1,) * completion,
+                logprobs=(0.0,) * (prompt + completion),
+                prompt_length=prompt,
+                completion_text="",
+                finish_reason="length",
+            )
+        )
+    batch = collate(
+        trajectories, [[1.0] * (len(t.token_ids) - t.prompt_length) for t in trajectories], 0
+    )
+    with policy.reference() as ref:
+        before = token_logprobs(ref, batch, bf16=True)[0]
+        tied = ref.get_output_embeddings().weight is ref.get_input_embeddings().weight
+        embedding = ref.get_input_embeddings().weight.detach().clone()
+        fp32_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+    with policy.reference(bf16_matmuls=True) as ref:
+        after = token_logprobs(ref, batch, bf16=True)[0]
+        assert ref.get_output_embeddings().weight.dtype == torch.bfloat16
+        assert ref.get_input_embeddings().weight.dtype == torch.float32
+        assert torch.equal(ref.get_input_embeddings().weight, embedding)
+        bf16_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+    assert torch.equal(before, after)
+    assert tied  # the tiny model ties its head, as SmolLM2 does: the untying path is exercised
+    assert bf16_bytes < fp32_bytes
+    assert all(p.dtype == torch.float32 for p in policy.model.parameters())  # the policy untouched
+    with pytest.raises(RuntimeError, match="bf16"), policy.reference():
+        pass

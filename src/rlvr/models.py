@@ -190,18 +190,53 @@ class Policy:
     _reference: PreTrainedModel | None = None
 
     @contextlib.contextmanager
-    def reference(self) -> Iterator[Any]:
-        """The reference policy for the KL term: adapters disabled (LoRA) or the frozen copy."""
+    def reference(self, bf16_matmuls: bool = False) -> Iterator[Any]:
+        """The reference policy for the KL term: adapters disabled (LoRA) or the frozen copy.
+
+        `bf16_matmuls` (the caller runs it under bf16 autocast): the frozen copy's linear weights are
+        stored in bf16 from then on, exactly the values autocast would cast them to on every call
+        (`matmul_weights_to_bf16`), so its forward skips those casts and the copy takes ~half the
+        memory. The copy then serves bf16 callers only."""
         if self.lora:
             with self.model.disable_adapter():
                 yield self.model
         elif self._reference is not None:
+            if bf16_matmuls:
+                matmul_weights_to_bf16(self._reference)
+            elif getattr(self._reference, "_rlvr_bf16_matmuls", False):
+                raise RuntimeError("the reference holds bf16 matmul weights: score it under bf16")
             yield self._reference
         else:
             raise RuntimeError("no reference model: full fine-tuning keeps one only when beta > 0")
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def matmul_weights_to_bf16(model: Any) -> None:
+    """Store every nn.Linear weight (and bias) of a frozen `model` in bf16, once (idempotent).
+
+    Under CPU bf16 autocast a linear layer casts its fp32 weight to bf16 on each call, and for
+    weights that do not require grad that cast is not cached: a frozen reference paid it for every
+    forward (a fresh 270 MB for SmolLM2-135M, ~1 s of a 10 s update). Rounding once gives the same
+    bf16 values, so its autocast outputs are bit-identical (tests/test_precision_choice.py). A head
+    tied to the input embedding gets its own bf16 tensor: the embedding lookup stays fp32, as
+    autocast leaves it. Sharded (DTensor) weights are left alone."""
+    if getattr(model, "_rlvr_bf16_matmuls", False):
+        return
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        for name in ("weight", "bias"):
+            tensor = getattr(module, name)
+            if tensor is None or hasattr(tensor, "full_tensor") or tensor.requires_grad:
+                continue
+            # A new Parameter, not `.data =`: a tied head must not turn the embedding to bf16.
+            setattr(module, name, torch.nn.Parameter(tensor.detach().bfloat16(), requires_grad=False))
+    if head is not None and hasattr(model, "config"):
+        model.config.tie_word_embeddings = False  # the head no longer shares the embedding's tensor
+    model._rlvr_bf16_matmuls = True
 
 
 def load_tokenizer(path: str) -> Any:

@@ -282,7 +282,7 @@ def policy_update(
         old_logprobs = [forward(model, b)[0] for b in batches] if needs_old else None
         ref_logprobs = None
         if kl_in_loss:
-            with policy.reference() as ref:
+            with policy.reference(bf16_matmuls=bf16) as ref:
                 ref_logprobs = [forward(ref, b)[0] for b in batches]
 
     sums: dict[str, float] = {}
@@ -465,7 +465,7 @@ def reference_logprobs(
         use_fused_logprobs(cfg),
     )
     policy.model.eval()
-    with policy.reference() as ref:
+    with policy.reference(bf16_matmuls=bf16) as ref:
         return per_token_scores(
             lambda b: token_logprobs(
                 ref,
