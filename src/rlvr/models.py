@@ -233,7 +233,9 @@ def matmul_weights_to_bf16(model: Any) -> None:
             if tensor is None or hasattr(tensor, "full_tensor") or tensor.requires_grad:
                 continue
             # A new Parameter, not `.data =`: a tied head must not turn the embedding to bf16.
-            setattr(module, name, torch.nn.Parameter(tensor.detach().bfloat16(), requires_grad=False))
+            setattr(
+                module, name, torch.nn.Parameter(tensor.detach().bfloat16(), requires_grad=False)
+            )
     if head is not None and hasattr(model, "config"):
         model.config.tie_word_embeddings = False  # the head no longer shares the embedding's tensor
     model._rlvr_bf16_matmuls = True
