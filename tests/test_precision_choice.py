@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,6 @@ from rlvr.models import load_policy
 from rlvr.observe.tracking import read_metrics
 from rlvr.train import precision_choice
 from rlvr.train.loop import train
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 @pytest.fixture()
@@ -144,7 +141,11 @@ def test_measuring_leaves_weights_gradients_mode_and_random_streams_alone(
 
 @pytest.mark.precision  # the config's validators ask `auto` too (the variable is unset here)
 def test_an_rl_run_measures_logs_its_precision_and_samples_in_fp32(
-    unforced: Path, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    unforced: Path,
+    tiny_model_dir: Path,
+    tiny_config_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A bf16 update (measured faster) with an fp32 sampler: the demo learned only that way."""
     monkeypatch.setattr(build, "cpu_has_bf16", lambda: True)
@@ -157,10 +158,8 @@ def test_an_rl_run_measures_logs_its_precision_and_samples_in_fp32(
         made.append(bool(self.autocast_bf16))  # type: ignore[attr-defined]
 
     monkeypatch.setattr(build.HFGenerator, "__init__", spy)
-    shutil.copy(EXAMPLES / "tiny.yaml", tmp_path / "tiny.yaml")
-    shutil.copy(EXAMPLES / "tiny_rewards.py", tmp_path / "tiny_rewards.py")
     cfg = load_config(
-        tmp_path / "tiny.yaml",
+        tiny_config_dir / "tiny.yaml",
         [
             f"model.name={tiny_model_dir}",
             f"output_dir={tmp_path / 'run'}",
@@ -171,7 +170,7 @@ def test_an_rl_run_measures_logs_its_precision_and_samples_in_fp32(
         ],
     )
     assert cfg.model.bf16 == "auto"
-    summary = train(cfg, config_dir=tmp_path)
+    summary = train(cfg, config_dir=tiny_config_dir)
     steps = [m for m in read_metrics(summary.run_dir) if "step_time" in m]
     assert [m["perf/precision"] for m in steps] == [16.0, 16.0]
     assert made and not any(made)  # every sampler the run built samples without autocast
