@@ -288,7 +288,9 @@ def measure(
     policy, _ = load_model(str(run_dir))
     after = per_instance_scores(policy, cfg, EXAMPLES, n, k)
     args = "".join(f" --set {e}" for e in extra)
-    return row_result(row, cfg, before, after, steps, wall, budget_minutes, k, n, args, how)
+    return row_result(
+        row, cfg, before, after, steps, wall, budget_minutes, k, n, args, how, trained=run_dir
+    )
 
 
 def row_result(
@@ -303,6 +305,7 @@ def row_result(
     n: int,
     extra_args: str,
     base: str,
+    trained: Path | None = None,
 ) -> dict[str, Any]:
     """The JSONL object of one measured row (a warm-up row adds its own keys to it)."""
     low, high = paired_bootstrap_ci(before["pass1"], after["pass1"])
@@ -328,7 +331,7 @@ def row_result(
         "train_minutes": wall,
         "budget_minutes": budget_minutes,
         "cpu": cpu_kind(),
-        "precision": precision_text(cfg),
+        "precision": precision_text(cfg, trained),
         "date": time.strftime("%Y-%m-%d"),
         "target": row.target,
         "met": met(row, acc_before, acc_after, wall, after["tool_call_rate"]),
@@ -339,13 +342,20 @@ def row_result(
     return result
 
 
-def precision_text(cfg: Any) -> str:
+def precision_text(cfg: Any, trained: Path | None = None) -> str:
     """The row's precision column: the update's, plus the sampling copy's when `decode: fast`
-    samples from a bf16 copy of the weights (learning under it is what such a row measures)."""
+    samples from a bf16 copy of the weights (learning under it is what such a row measures).
+    `trained`: the RL run's directory, whose `perf/precision` says what `model.bf16: auto` measured
+    (a warm-up row's RL stage trains a model whose name the row's config does not hold)."""
     from rlvr.build import use_bf16
     from rlvr.config import bf16_sampling_copy
+    from rlvr.observe.tracking import read_metrics
 
     update = "bf16 autocast" if use_bf16(cfg.model) else "fp32"
+    rows = read_metrics(trained) if trained and (trained / "metrics.jsonl").exists() else []
+    logged = [m["perf/precision"] for m in rows if "perf/precision" in m]
+    if logged:
+        update = "bf16 autocast" if logged[-1] == 16 else "fp32"
     gen = cfg.generator
     if gen.decode != "fast":
         return update
@@ -415,7 +425,10 @@ def measure_warmup(
         f" --warmup-set {e}" for e in warmup_extra
     )
     wall = warm_minutes + rl_row["wall_minutes"]
-    result = row_result(row, rl_cfg, before, after, steps, wall, budget_minutes, k, n, args, how)
+    result = row_result(
+        row, rl_cfg, before, after, steps, wall, budget_minutes, k, n, args, how,
+        trained=run_dir / rl_name,
+    )  # fmt: skip
     low, high = paired_bootstrap_ci(warm["pass1"], after["pass1"])
     acc_warm = statistics.fmean(warm["pass1"])
     result.update({

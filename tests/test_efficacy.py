@@ -417,6 +417,18 @@ def test_precision_column_names_the_sampling_copy(
     assert efficacy.precision_text(cfg) == expected
 
 
+def test_precision_column_reads_what_the_run_logged(efficacy: ModuleType, tmp_path: Path) -> None:
+    """`model.bf16: auto` is measured for the model the RL run trained (for a warm-up row, a stage's
+    output the row's config does not name): the run's `perf/precision` is the truth."""
+    from rlvr.config import load_config
+
+    cfg = load_config(ROOT / "examples" / "quickstart.yaml", ["model.bf16=off"])
+    for bits, expected in ((16.0, "bf16 autocast"), (32.0, "fp32")):
+        (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "perf/precision": bits}))
+        assert efficacy.precision_text(cfg, tmp_path) == expected
+    assert efficacy.precision_text(cfg, tmp_path / "missing") == "fp32"
+
+
 def test_every_row_config_loads_with_its_overrides(efficacy: ModuleType) -> None:
     """A typo in a row's override would otherwise surface minutes into a measurement."""
     from rlvr.config import load_config
