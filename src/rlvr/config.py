@@ -56,9 +56,10 @@ class ModelConfig(_Section):
         "auto",
         description="bf16 autocast for the trainer's matmuls (fp32 weights stay the optimizer's master "
         "copy; log-probs and losses stay fp32). 'auto': on a CPU with native bf16 the RL loop times an "
-        "update micro-batch both ways and takes bf16 only when it is >= 1/0.85 faster, cached per host "
-        "and model size (rlvr.train.precision_choice); fp32 on AVX2-only CPUs and in offline stages. "
-        "Sampling never autocasts (a bf16 sampler is generator.decode: fast with a bf16 copy).",
+        "update micro-batch both ways and takes bf16 only when it takes <= 0.85x the fp32 time, "
+        "cached per host and model size (rlvr.train.precision_choice); fp32 on AVX2-only CPUs and in "
+        "offline stages. Sampling never autocasts (a bf16 sampler is generator.decode: fast with a "
+        "bf16 copy).",
     )
 
 
