@@ -346,7 +346,7 @@ def learning(args: argparse.Namespace, passthrough: list[str]) -> None:
         flush=True,
     )
     results: dict[str, dict[str, Any]] = {}
-    for framework in ("base", "trl", "rlvr"):
+    for framework in args.frameworks.split(","):
         t0 = time.time()
         result = _subprocess(f"{framework}:learn", passthrough)
         if result is None:
@@ -490,6 +490,12 @@ def main() -> None:
     parser.add_argument("--budget-minutes", type=float, default=10.0)
     parser.add_argument("--eval-n", type=int, default=200)
     parser.add_argument(
+        "--frameworks",
+        default="base,trl,rlvr",
+        help="--learning: which runs, in order (a subset re-measures one side; the comparison "
+        "counts only from one invocation of all three)",
+    )
+    parser.add_argument(
         "--rlvr-set", action="append", default=[], help="extra rlvr config KEY=VALUE (repeatable)"
     )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -497,6 +503,9 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    unknown = set(args.frameworks.split(",")) - {"base", "trl", "rlvr"}
+    if unknown:
+        parser.error(f"--frameworks: unknown {', '.join(sorted(unknown))} (base, trl, rlvr)")
 
     passthrough = [
         f"--model={args.model}",

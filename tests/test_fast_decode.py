@@ -23,7 +23,7 @@ from rlvr.models import eos_token_ids, load_policy, tiny_tokenizer
 from rlvr.precision import BF16_LOGPROB_GAP
 from rlvr.rollout.fast_decode import DecodeWeights, StaticDecode, decline_reason
 from rlvr.rollout.generator import Completion, SamplingParams
-from rlvr.rollout.hf import HFGenerator
+from rlvr.rollout.hf import HFGenerator, fill_holes_order
 
 TOL = 1e-5
 # Prompts of different lengths (left padding), one repeated, one sharing the first's prefix.
@@ -231,7 +231,10 @@ def test_bf16_copy_agrees_with_fp32_within_bf16_rounding(kind: str) -> None:
     out = bf16.generate(PROMPTS, sampling)
     weights = bf16._fast
     assert weights is not None and weights.dtype == torch.bfloat16
-    assert all(lw.qkv.dtype == lw.down.dtype == torch.bfloat16 for lw in weights.layers)
+    assert all(
+        len(lw.qkv) == len(lw.gate_up) == 1 and lw.qkv[0].dtype == lw.down.dtype == torch.bfloat16
+        for lw in weights.layers
+    )
     fp32_bytes = DecodeWeights.build(model, torch.float32).bytes_per_step
     assert weights.bytes_per_step * 2 == fp32_bytes
     gaps = torch.cat(
@@ -340,3 +343,39 @@ def test_config_switch_reaches_the_generator(tiny_model_dir: Path) -> None:
     assert generator.decode == "fast" and generator.decode_dtype == torch.bfloat16
     default = RunConfig.model_validate({"model": {"name": str(tiny_model_dir), "bf16": "off"}})
     assert decode_options(default) == {"decode": "hf", "decode_dtype": torch.float32}
+
+
+def test_the_float32_path_reads_the_policys_own_matrices() -> None:
+    """No float32 copy of the weights: every matrix of a float32 DecodeWeights is the policy's own
+    tensor (same storage), so the fast path adds no weight memory and sees each update in place."""
+    model = tiny_model("llama")
+    weights = DecodeWeights.build(model, torch.float32)
+    own = {p.data_ptr() for p in model.parameters()}
+    matrices = [weights.head] + [
+        t for lw in weights.layers for t in (*lw.qkv, lw.o, *lw.gate_up, lw.down)
+    ]
+    assert len(weights.layers[0].qkv) == 3 and len(weights.layers[0].gate_up) == 2
+    assert all(t.data_ptr() in own for t in matrices)
+
+
+def test_dropping_rows_moves_one_cache_row_per_finished_row() -> None:
+    """HFGenerator's order after rows finish: survivors in place, the last ones fill the holes; the
+    static cache then copies only the moved rows and keeps every row's keys with its row."""
+    assert fill_holes_order([1, 2, 4, 5]) == [4, 1, 2, 5]
+    assert fill_holes_order([0, 1, 2]) == [0, 1, 2]
+    assert fill_holes_order([3]) == [3]
+    assert fill_holes_order([0, 2, 3, 6, 7]) == [0, 6, 2, 3, 7]
+    weights = DecodeWeights.build(tiny_model("llama"), torch.float32)
+    decoder = StaticDecode(weights, reserve=2)
+    rows, width = 6, 4
+    decoder.forward(
+        torch.randint(0, 100, (rows, width)),
+        torch.ones((rows, width), dtype=torch.long),
+        torch.arange(width)[None].expand(rows, width),
+    )
+    assert decoder.kv is not None
+    before = decoder.kv[:, :, :rows, :, :width].clone()
+    order = fill_holes_order([1, 2, 4, 5])
+    decoder.select(torch.tensor(order))
+    assert decoder.rows == 4
+    torch.testing.assert_close(decoder.kv[:, :, :4, :, :width], before[:, :, order], rtol=0, atol=0)

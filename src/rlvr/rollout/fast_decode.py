@@ -1,21 +1,22 @@
 """rlvr's own decode path for Llama (SmolLM2) and Qwen2/Qwen3: a plain-torch forward over a static
 KV cache, instead of HF's layer code.
 
-Why: HF's layers issue ~1200 small ops per decode step (SmolLM2, 30 layers: separate q/k/v and
-gate/up matmuls, a DynamicCache that grows by `cat`, a mask rebuilt each step, GQA by copying K/V),
-so at 16 rows a step took ~2.5x its matmul time here (docs/performance.md). Here, per layer and step:
-one QKV matmul, one gate/up matmul, o and down; the new keys and values are written into a cache
+Why: HF's layers issue ~1200 small ops per decode step (SmolLM2, 30 layers: a DynamicCache that
+grows by `cat`, a mask rebuilt each step, GQA by copying K/V), so at 16 rows a step took ~2.5x its
+matmul time here (docs/performance.md). Here the new keys and values are written into a cache
 preallocated for the whole call; GQA needs no copy (the query heads sharing a KV head become extra
-query rows of one attention call); the mask is built once per step for every layer.
+query rows of one attention call); the mask is built once per step for every layer; rows that finish
+leave the cache by moving one row each (HFGenerator orders the survivors, `fill_holes_order`).
 
-The weights are a separate copy (`DecodeWeights`), built from the policy once per weight version:
-the fused QKV and gate/up matrices, LoRA adapters merged in (`W + scale * B @ A`; the policy's
-weights are never written), in float32 or, on hosts with native bf16, in bfloat16 (half the bytes a
-memory-bound decode step reads; activations, the residual stream, attention and the KV cache stay
-float32, each matmul's input is rounded to bf16 and its output read back as float32, much as bf16
-autocast does). In float32 the unfused matrices (o, down, the head) are the policy's own tensors.
-HFGenerator rebuilds the copy when the policy's weights change (`HFGenerator.refresh_weights`,
-called after each update, and a fingerprint check before every `generate`).
+The weights (`DecodeWeights`, built from the policy once per weight version): in float32 the
+policy's own matrices, no copy (fusing q/k/v and gate/up into one matrix each saved ~2% of a step
+here, not worth a second float32 copy of them); in bfloat16, on hosts with native bf16, a fused
+copy, half the bytes a memory-bound decode step reads (activations, the residual stream, attention
+and the KV cache stay float32, each matmul's input is rounded to bf16 and its output read back as
+float32, much as bf16 autocast does). LoRA adapters are merged into a new matrix
+(`W + scale * B @ A`; the policy's weights are never written). HFGenerator rebuilds the weights
+when the policy's change (`HFGenerator.refresh_weights`, called after each update, and a
+fingerprint check before every `generate`).
 
 The cache is [layers, 2 (K, V), rows, kv_heads, columns, head_dim]. Its columns are exactly those of
 HFGenerator's attention mask: prompts left-padded to the longest, then one column per decode step;
@@ -109,14 +110,17 @@ class LayerWeights:
     """One decoder layer. Matrices (out, in) in the copy's dtype; biases and norms float32."""
 
     attn_norm: torch.Tensor  # (hidden,)
-    qkv: torch.Tensor  # ((heads + 2 kv_heads) * head_dim, hidden)
-    qkv_bias: torch.Tensor | None
+    # The q, k, v projections' matrices: one fused ((heads + 2 kv_heads) * head_dim, hidden) matrix
+    # in a bf16 copy, or the policy's own three float32 matrices (no copy: fusing saved ~2% of a
+    # decode step here and would hold a second float32 copy of them).
+    qkv: tuple[torch.Tensor, ...]
+    qkv_bias: torch.Tensor | None  # one vector over the three outputs
     q_norm: torch.Tensor | None  # (head_dim,), Qwen3
     k_norm: torch.Tensor | None
     o: torch.Tensor  # (hidden, heads * head_dim)
     o_bias: torch.Tensor | None
     mlp_norm: torch.Tensor
-    gate_up: torch.Tensor  # (2 intermediate, hidden)
+    gate_up: tuple[torch.Tensor, ...]  # (2 intermediate, hidden) fused, or (gate, up) as qkv
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor  # (hidden, intermediate)
     down_bias: torch.Tensor | None
@@ -143,7 +147,7 @@ class DecodeWeights:
         """Bytes of weights one decode step reads (every matrix once; the embedding lookup reads
         only its rows and is not counted)."""
         tensors = [self.head] + [
-            t for lw in self.layers for t in (lw.qkv, lw.o, lw.gate_up, lw.down)
+            t for lw in self.layers for t in (*lw.qkv, lw.o, *lw.gate_up, lw.down)
         ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -156,14 +160,18 @@ class DecodeWeights:
         config = inner.config
         first = inner.model.layers[0].self_attn
 
-        def matrix(*modules: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def matrices(*modules: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
             pairs = [merged_linear(m) for m in modules]
             weights = [p[0] for p in pairs if p is not None]
             biases = [p[1] for p in pairs if p is not None]
             assert len(weights) == len(modules), "decline_reason should have refused this model"
-            # float32, one plain matrix: the policy's own tensor (no copy); anything else is new.
-            weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-            weight = weight.to(dtype)
+            # float32: the policy's own tensors (no copy; a LoRA layer's merged matrix is new);
+            # bfloat16: one fused copy.
+            if dtype == torch.float32:
+                parts = tuple(w.float().contiguous() for w in weights)
+            else:
+                fused = weights[0] if len(weights) == 1 else torch.cat(weights)
+                parts = (fused.to(dtype).contiguous(),)
             bias = None
             if any(b is not None for b in biases):
                 bias = torch.cat(
@@ -172,7 +180,11 @@ class DecodeWeights:
                         for w, b in zip(weights, biases, strict=True)
                     ]
                 )
-            return weight.contiguous(), bias
+            return parts, bias
+
+        def matrix(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+            (weight,), bias = matrices(module)
+            return weight, bias
 
         def vector(module: Any) -> torch.Tensor:
             return module.weight.detach().float()
@@ -180,9 +192,9 @@ class DecodeWeights:
         layers = []
         for layer in inner.model.layers[: config.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias = matrix(attn.q_proj, attn.k_proj, attn.v_proj)
+            qkv, qkv_bias = matrices(attn.q_proj, attn.k_proj, attn.v_proj)
             o, o_bias = matrix(attn.o_proj)
-            gate_up, gate_up_bias = matrix(mlp.gate_proj, mlp.up_proj)
+            gate_up, gate_up_bias = matrices(mlp.gate_proj, mlp.up_proj)
             down, down_bias = matrix(mlp.down_proj)
             q_norm = getattr(attn, "q_norm", None)
             k_norm = getattr(attn, "k_norm", None)
@@ -217,6 +229,16 @@ class DecodeWeights:
             eps=float(inner.model.norm.variance_epsilon),
             dtype=dtype,
         )
+
+
+def _linear_parts(
+    x: torch.Tensor, parts: tuple[torch.Tensor, ...], bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`_linear` over matrices whose outputs are concatenated (one fused matrix, or q/k/v)."""
+    if len(parts) == 1:
+        return _linear(x, parts[0], bias)
+    out = torch.cat([_linear(x, part, None) for part in parts], dim=-1)
+    return out + bias if bias is not None else out
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -337,7 +359,7 @@ class StaticDecode:
         x = w.embed[input_ids_B_T]  # (B, T, hidden) float32: the residual stream
         for index, lw in enumerate(w.layers):
             h = _rms_norm(x, lw.attn_norm, w.eps)
-            qkv = _linear(h, lw.qkv, lw.qkv_bias)
+            qkv = _linear_parts(h, lw.qkv, lw.qkv_bias)
             q = qkv[..., :q_size].reshape(rows, new, w.heads, w.head_dim)
             k = qkv[..., q_size : q_size + kv_size].reshape(rows, new, w.kv_heads, w.head_dim)
             v = qkv[..., q_size + kv_size :].reshape(rows, new, w.kv_heads, w.head_dim)
@@ -366,7 +388,7 @@ class StaticDecode:
             )
             x = x + _linear(attended, lw.o, lw.o_bias)
             h = _rms_norm(x, lw.mlp_norm, w.eps)
-            gate_up = _linear(h, lw.gate_up, lw.gate_up_bias)
+            gate_up = _linear_parts(h, lw.gate_up, lw.gate_up_bias)
             gate, up = gate_up.chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, lw.down, lw.down_bias)
         self.length = columns
@@ -392,6 +414,15 @@ class StaticDecode:
         if self.kv is None:
             return
         rows = int(index_B.numel())
+        if rows <= self.rows:
+            # Rows dropped (HFGenerator orders the survivors so few move): copy only the rows whose
+            # position changes. The right side is gathered before anything is written.
+            moved = (index_B != torch.arange(rows, device=index_B.device)).nonzero().squeeze(1)
+            if moved.numel():
+                filled = self.kv[:, :, :, :, : self.length]
+                filled[:, :, moved] = filled[:, :, index_B[moved]]
+            self.rows = rows
+            return
         gathered = self.kv[:, :, :, :, : self.length][:, :, index_B]
         if rows > self.kv.shape[2]:
             self.kv = torch.empty(

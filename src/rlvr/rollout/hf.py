@@ -324,13 +324,15 @@ class HFGenerator:
                     kept = set(keep)
                     done = [b for b in range(len(active)) if b not in kept]
                     self._keep(decoder, mask_B_L, done, active, prompts, tokens, n)
-                # Drop finished rows from the batch and the KV cache right away.
-                index = torch.tensor(keep, dtype=torch.long)
+                # Drop finished rows from the batch and the KV cache right away; survivors from
+                # the end fill the holes, so a static cache moves only as many rows as finished.
+                order = fill_holes_order(keep)
+                index = torch.tensor(order, dtype=torch.long)
                 decoder.select(index)
                 new_tokens_B = new_tokens_B[index]
                 mask_B_L = mask_B_L[index]
                 next_pos_B = next_pos_B[index]
-                active = [active[b] for b in keep]
+                active = [active[b] for b in order]
             mask_B_L = torch.cat([mask_B_L, torch.ones((len(active), 1), dtype=torch.long)], dim=1)
             logits_B_V = decoder.forward(new_tokens_B[:, None], mask_B_L, next_pos_B[:, None])
             next_pos_B = next_pos_B + 1
@@ -469,3 +471,14 @@ class HFGenerator:
         # string split by special tokens, which decode to nothing.
         text = self.tokenizer.decode(row_tokens, skip_special_tokens=True)
         return any(s in text for s in stops)
+
+
+def fill_holes_order(keep: Sequence[int]) -> list[int]:
+    """The new batch order when only the (ascending) batch positions `keep` survive: a survivor
+    already within the first len(keep) positions stays where it is, and the survivors beyond fill
+    the holes, in order. So compacting a static cache in place moves one row per finished row,
+    not every row after the first finished one. E.g. keep [1, 2, 4, 5] -> [4, 1, 2, 5]."""
+    size = len(keep)
+    staying = {b for b in keep if b < size}
+    movers = iter(b for b in keep if b >= size)
+    return [b if b in staying else next(movers) for b in range(size)]
