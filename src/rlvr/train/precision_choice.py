@@ -7,7 +7,7 @@ with native bf16 (avx512_bf16 / amx_bf16) `auto` times one forward + backward of
 synthetic micro-batch in both precisions and picks bf16 only when it is at least `MARGIN` faster: the
 choice never slows the update down against fp32. The answer is cached per CPU model, torch version,
 thread count and model shape (`$RLVR_CACHE_DIR`, else `$XDG_CACHE_HOME/rlvr`, else ~/.cache/rlvr), so
-a host pays the ~10 s once per model size. CPUs without native bf16 never measure: fp32.
+a host pays the ~15 s once per model size. CPUs without native bf16 never measure: fp32.
 
 What the choice covers: the update's matmuls (bf16 compute over fp32 weights, which stay the
 optimizer's master copy; gradients accumulate in fp32 `.grad`; log-probs, losses and the softmax in
@@ -39,7 +39,7 @@ from rlvr import build
 # for timing noise on shared machines, so a tie never switches a run to the less exact precision.
 MARGIN = 0.85
 # Bumped when what is measured changes, so old cached answers are not reused.
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -113,10 +113,14 @@ def _step_seconds(model: Any, ids_B_T: torch.Tensor, bf16: bool) -> float:
     return time.perf_counter() - started
 
 
-def measure(model: Any, rows: int = 4, tokens: int = 64, repeats: int = 2) -> tuple[float, float]:
+def measure(model: Any, rows: int = 4, tokens: int = 64, repeats: int = 4) -> tuple[float, float]:
     """Best-of-`repeats` seconds of one update micro-batch in fp32 and in bf16, alternating (so both
     see the same machine load), after one warm-up each. Weights, gradients, the model's mode and
-    every random stream are left as they were."""
+    every random stream are left as they were.
+
+    Four repeats, not two: with two, one calibration in a fresh process here read bf16 at 0.91x
+    fp32 (fp32 then chosen, a ~2x slower update for that host's runs) where every other read,
+    before and after, was 0.60-0.74x (SmolLM2-135M, Zen 4; ~15 s once per host and model)."""
     vocab = int(getattr(model.config, "vocab_size", 1000))
     ids = torch.randint(0, vocab, (rows, tokens), generator=torch.Generator().manual_seed(0))
     params = list(model.parameters())
