@@ -8,11 +8,14 @@ once for its n samples, drops finished rows, and also returns every token's log-
 `generate` call here does not compute). Tokens counted: sampled tokens up to and including EOS. The
 order alternates (hf, rlvr, fast, fast-bf16, hf, rlvr, ...) so all see the same machine load:
 
-    hf          model.generate (bf16 autocast where `model.bf16: auto` would pick it)
-    rlvr        HFGenerator, HF's forward (decode "hf", the default), same autocast
-    fast        HFGenerator(decode="fast"): rlvr's decode path, float32 weight copy
-    fast-bf16   the same with a bfloat16 weight copy (where the CPU has native bf16,
+    hf          model.generate, float32
+    rlvr        HFGenerator, HF's forward (decode "hf", the default), float32 (the RL sampler
+                never autocasts)
+    fast        HFGenerator(decode="fast"): rlvr's decode path, the policy's float32 matrices
+    fast-bf16   the same from a bfloat16 weight copy (where the CPU has native bf16,
                 `cpu_has_bf16()`, or with --bf16-copy: elsewhere bf16 matmuls are ~8x slower)
+    hf-bf16     model.generate under bf16 autocast (native-bf16 CPUs: TRL's bf16=True samples so);
+                the ratios against HF use the faster of hf and hf-bf16
 
 Each row also prints the weights' GB/s: bytes of weight matrices one decode step reads (the fast
 path's copy, or the model's linear layers for the HF paths, whose autocast reads them as fp32) x
@@ -21,6 +24,8 @@ bound on the decode steps' own rate. The last lines are
 
     generation_tokens_per_s_ratio_rlvr_over_hf=X
     generation_tokens_per_s_ratio_fast_over_rlvr=Y
+    generation_tokens_per_s_ratio_fast_bf16_over_rlvr=Z       (native bf16 or --bf16-copy)
+    generation_tokens_per_s_ratio_fast_bf16_over_hf=W
 
 Usage: python benchmarks/generation.py [--repeats 2] [--prompts 8] [--n 8] [--max-new-tokens 64]
 A measuring instrument, not a test: read the ratio, the machine is shared and noisy.
@@ -48,7 +53,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from rlvr.build import cpu_has_bf16, native_bf16
+    from rlvr.build import cpu_has_bf16
     from rlvr.config import ArithmeticConfig
     from rlvr.models import eos_token_ids, load_policy
     from rlvr.rollout.chat import render_prompt_ids
@@ -63,7 +68,6 @@ def main() -> None:
     eos = eos_token_ids(model, tokenizer)
     tasks = arithmetic_tasks(ArithmeticConfig()).train[: args.prompts]
     prompts = [render_prompt_ids(tokenizer, [dict(m) for m in t.messages]) for t in tasks]
-    bf16 = native_bf16()  # as `model.bf16: auto` decides for training runs
 
     # Weight bytes a decode step reads: the linear layers (the head once, tied or not) as stored.
     linear_bytes = sum(
@@ -81,7 +85,13 @@ def main() -> None:
     def rlvr_runner(decode: str, dtype: torch.dtype | None) -> Any:
         def run() -> tuple[int, int, float]:
             generator = HFGenerator(
-                model, tokenizer, eos, seed=0, autocast_bf16=bf16, decode=decode, decode_dtype=dtype
+                model,
+                tokenizer,
+                eos,
+                seed=0,
+                autocast_bf16=False,
+                decode=decode,
+                decode_dtype=dtype,
             )
             sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)
             t0 = time.perf_counter()
@@ -92,7 +102,10 @@ def main() -> None:
 
         return run
 
-    def run_hf() -> tuple[int, int, float]:
+    def hf_runner(autocast: bool) -> Any:
+        return lambda: run_hf(autocast)
+
+    def run_hf(autocast: bool) -> tuple[int, int, float]:
         rows = [p for p in prompts for _ in range(args.n)]
         width = max(len(r) for r in rows)
         pad = int(tokenizer.pad_token_id)
@@ -100,7 +113,7 @@ def main() -> None:
         attention = (
             torch.arange(width)[None, :] >= (width - torch.tensor([len(r) for r in rows]))[:, None]
         ).long()
-        context: Any = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.no_grad()
+        context: Any = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.no_grad()
         t0 = time.perf_counter()
         with torch.no_grad(), context:
             out = model.generate(
@@ -125,12 +138,17 @@ def main() -> None:
         return tokens, new.shape[1] - 1, seconds
 
     runners = {
-        "hf": run_hf,
+        "hf": hf_runner(False),
         "rlvr": rlvr_runner("hf", None),
         "fast": rlvr_runner("fast", torch.float32),
     }
     if cpu_has_bf16() or args.bf16_copy:
         runners["fast-bf16"] = rlvr_runner("fast", torch.bfloat16)
+    if cpu_has_bf16():
+        # HF's generate at its other precision too (as TRL's bf16=True samples): the ratios below
+        # use whichever of the two was faster.
+        runners["hf-bf16"] = hf_runner(True)
+        step_bytes["hf-bf16"] = linear_bytes
     rates: dict[str, list[float]] = {name: [] for name in runners}
     bandwidth: dict[str, list[float]] = {name: [] for name in runners}
     for repeat in range(args.repeats):
@@ -145,18 +163,24 @@ def main() -> None:
             )
     median = {name: statistics.median(r) for name, r in rates.items()}
     print(
-        f"batch {args.prompts * args.n} rows, {args.max_new_tokens} new tokens, bf16={bf16}: "
+        f"batch {args.prompts * args.n} rows, {args.max_new_tokens} new tokens: "
         + ", ".join(
             f"{name} {median[name]:.1f} tok/s ({statistics.median(bandwidth[name]):.2f} GB/s)"
             for name in runners
         )
     )
-    print(f"generation_tokens_per_s_ratio_rlvr_over_hf={median['rlvr'] / median['hf']:.2f}")
+    hf_best = max(median[name] for name in ("hf", "hf-bf16") if name in median)
+    if "hf-bf16" in median:
+        print(f"HF generate's faster precision: {'bf16' if hf_best > median['hf'] else 'fp32'}")
+    print(f"generation_tokens_per_s_ratio_rlvr_over_hf={median['rlvr'] / hf_best:.2f}")
     print(f"generation_tokens_per_s_ratio_fast_over_rlvr={median['fast'] / median['rlvr']:.2f}")
     if "fast-bf16" in median:
         print(
             "generation_tokens_per_s_ratio_fast_bf16_over_rlvr="
             f"{median['fast-bf16'] / median['rlvr']:.2f}"
+        )
+        print(
+            f"generation_tokens_per_s_ratio_fast_bf16_over_hf={median['fast-bf16'] / hf_best:.2f}"
         )
 
 

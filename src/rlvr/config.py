@@ -234,15 +234,15 @@ class GeneratorConfig(_Section):
     decode: Literal["hf", "fast"] = Field(
         "hf",
         description="hf backend: whose forward samples. hf = transformers' layers; fast = rlvr's "
-        "own decode path for Llama/SmolLM2 and Qwen2/Qwen3 (static KV cache, fused QKV and "
-        "gate/up, LoRA merged into a weight copy refreshed after every update; tested token for "
-        "token against hf, with the cross-turn cache too), falling back to hf for other models "
-        "(rollout/fast_decode.py).",
+        "own decode path for Llama/SmolLM2 and Qwen2/Qwen3 (static KV cache; float32 reads the "
+        "policy's own matrices, LoRA merged into new ones refreshed after every update; tested "
+        "token for token against hf, with the cross-turn cache too), falling back to hf for other "
+        "models (rollout/fast_decode.py).",
     )
     decode_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
-        description="decode: fast, the weight copy's dtype: bfloat16 halves the bytes a decode "
-        "step reads (activations stay float32); auto = bfloat16 exactly when model.bf16 resolves "
+        description="decode: fast, the weights' dtype: a bfloat16 copy (fused QKV and gate/up) "
+        "halves the bytes a decode step reads (activations stay float32); auto = bfloat16 exactly when model.bf16 resolves "
         "on, else float32. A bf16 copy samples with other numerics than the trainer's: truncated "
         "importance sampling is then on by default (objective.tis_cap) and the sampler_mismatch "
         "monitor uses its bf16 threshold.",
