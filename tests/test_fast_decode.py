@@ -358,9 +358,10 @@ def test_the_float32_path_reads_the_policys_own_matrices() -> None:
     assert all(t.data_ptr() in own for t in matrices)
 
 
-def test_dropping_rows_moves_one_cache_row_per_finished_row() -> None:
+def test_finished_rows_are_filled_from_the_end_and_rows_keep_their_keys() -> None:
     """HFGenerator's order after rows finish: survivors in place, the last ones fill the holes; the
-    static cache then copies only the moved rows and keeps every row's keys with its row."""
+    static cache's in-place compaction (only moved rows copied) leaves every row with its own keys
+    and values."""
     assert fill_holes_order([1, 2, 4, 5]) == [4, 1, 2, 5]
     assert fill_holes_order([0, 1, 2]) == [0, 1, 2]
     assert fill_holes_order([3]) == [3]
