@@ -361,10 +361,12 @@ def test_format_only_reward_raises_the_hacking_alert(
 def test_far_too_high_learning_rate_raises_entropy_collapse(
     tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """lr 0.3 (100x tiny.yaml's): entropy 4.8 -> ~0 within 6 steps; fires at step 10, the first
-    step early_steps + patience allows."""
+    """lr 1.0 (~330x tiny.yaml's): -log p of the samples 4.8 -> ~0 within 5 steps in fp32 and under
+    a bf16 update; fires at step 10, the first step early_steps + patience allows. (At lr 0.3 a
+    bf16 run with seed 0 settled at -log p 0.5-0.9 with every group at zero variance, which the
+    echo-trap monitor reports instead: not "far too high" enough to be sure of a collapse.)"""
     _, _, events = tiny_run(
-        tiny_config_dir, tiny_model_dir, tmp_path / "lr", "train.learning_rate=0.3",
+        tiny_config_dir, tiny_model_dir, tmp_path / "lr", "train.learning_rate=1.0",
         "train.steps=10", "eval.at_start=false", "eval.at_end=false",
     )  # fmt: skip
     collapse = [e for e in events if e["event"] == "entropy_collapse"]
