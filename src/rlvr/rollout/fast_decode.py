@@ -107,7 +107,8 @@ def lora_state(model: Any) -> tuple[tuple[bool, bool, tuple[str, ...]], ...]:
 
 @dataclass
 class LayerWeights:
-    """One decoder layer. Matrices (out, in) in the copy's dtype; biases and norms float32."""
+    """One decoder layer. Matrices (out, in): the policy's own float32 tensors or a bf16 copy;
+    biases and norms float32."""
 
     attn_norm: torch.Tensor  # (hidden,)
     # The q, k, v projections' matrices: one fused ((heads + 2 kv_heads) * head_dim, hidden) matrix
