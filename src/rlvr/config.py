@@ -243,9 +243,9 @@ class GeneratorConfig(_Section):
         "auto",
         description="decode: fast, the weights' dtype: a bfloat16 copy (fused QKV and gate/up) "
         "halves the bytes a decode step reads (activations stay float32); auto = bfloat16 "
-        "exactly when model.bf16 resolves on, else float32. A bf16 copy samples with other numerics than the trainer's: truncated "
-        "importance sampling is then on by default (objective.tis_cap) and the sampler_mismatch "
-        "monitor uses its bf16 threshold.",
+        "exactly when model.bf16 resolves on, else float32. A bf16 copy samples with other "
+        "numerics than the trainer's: truncated importance sampling is then on by default "
+        "(objective.tis_cap) and the sampler_mismatch monitor uses its bf16 threshold.",
     )
 
 
