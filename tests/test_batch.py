@@ -150,11 +150,28 @@ def test_collate_single_prompt_no_padding() -> None:
 
 
 # --------------------------------------------------------------------------------------- log-probs
+@pytest.mark.parametrize("head", ["fused", "one_call", "model_runs_it"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_shared_prefix_equals_plain_path(
-    tiny: tuple[Any, Any], two_by_four: list[Trajectory], temperature: float
+    tiny: tuple[Any, Any],
+    two_by_four: list[Trajectory],
+    temperature: float,
+    head: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Three ways to the logits: the fused head (hidden states, no lm_head call); a plain linear head
+    that the shared path runs once over all C positions; a head it cannot call itself (soft-capping,
+    a LoRA'd head: faked here), left inside the model's own forward, in two calls. Each equals the
+    plain path."""
+    import rlvr.train.batch as batch_module
+
     model, _ = tiny
+    if head == "model_runs_it":
+        monkeypatch.setattr(batch_module, "plain_head", lambda _model: None)
+    head_calls: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda _module, _args, out: head_calls.append(out.shape[1])
+    )
     batch = collate_with(two_by_four, [1.0] * len(two_by_four))
     assert batch.prompt_ids_P_Lp.shape[0] == 2 and batch.row_prompt_B.tolist() == [0, 1] * 4
     valid = batch.completion_mask_B_C.bool()
@@ -166,13 +183,23 @@ def test_shared_prefix_equals_plain_path(
     for share in (True, False):
         model.zero_grad(set_to_none=True)
         logp, entropy = token_logprobs(
-            model, batch, temperature, with_entropy=True, share_prefix=share
+            model, batch, temperature, with_entropy=True, share_prefix=share, fused=head == "fused"
         )
+        assert entropy is not None
         assert logp.shape == entropy.shape == batch.completion_ids_B_C.shape
         (logp * weights * batch.completion_mask_B_C).sum().backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         results[share] = (logp.detach(), entropy, grads)
     model.zero_grad(set_to_none=True)
+    hook.remove()
+    width = batch.completion_width
+    # Shared, then plain (the plain path's one call covers C + 1 positions and drops the last).
+    expected = {
+        "fused": [],
+        "one_call": [width, width + 1],
+        "model_runs_it": [1, width - 1, width + 1],
+    }
+    assert head_calls == expected[head]
 
     (lp_s, ent_s, g_s), (lp_p, ent_p, g_p) = results[True], results[False]
     torch.testing.assert_close(lp_s[valid], lp_p[valid], rtol=0.0, atol=1e-5)

@@ -440,6 +440,12 @@ class TrainConfig(_Section):
     adam_betas: tuple[float, float] = (0.9, 0.99)
     max_grad_norm: float = Field(1.0, gt=0.0)
     micro_batch_size: int = Field(8, ge=1, description="Trajectories per forward/backward.")
+    keep_freed_memory: bool = Field(
+        True,
+        description="Linux/glibc: freed tensor memory stays in the process (no mmap per large "
+        "block, no heap trimming), so each step reuses pages instead of faulting fresh ones in "
+        "(rlvr.allocator). Update ~1.5x faster on a Xeon with AMX; RSS stays near its peak.",
+    )
     skip_zero_advantage_rows: bool = Field(
         True,
         description="Skip forward/backward of rows with advantage 0 when beta = 0 and entropy_coef = 0: "

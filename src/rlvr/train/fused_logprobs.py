@@ -111,21 +111,30 @@ def _tempered_logits(
     return z_r_V.div_(temperature) if temperature != 1.0 else z_r_V
 
 
-def fusable_head(model: Any) -> torch.Tensor | None:
-    """The lm_head weight when the model's logits are exactly `hidden @ W^T` (a bias-free fp32
-    nn.Linear head, no logit scaling or soft-capping, a decoder reachable by `get_decoder()`); else
-    None and the caller takes the plain path."""
+def plain_head(model: Any) -> torch.nn.Linear | None:
+    """The lm_head when the model's logits are exactly `head(decoder(...).last_hidden_state)`: a
+    plain nn.Linear, no logit scaling or soft-capping, a decoder reachable by `get_decoder()`; else
+    None (the caller lets the model run its own head)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not torch.nn.Linear or head.bias is not None:
+    if type(head) is not torch.nn.Linear:
         return None  # e.g. a peft LoRA layer on the lm_head
-    if head.weight.dtype != torch.float32:
-        return None  # the chunked math here is fp32 end to end
     config = getattr(model, "config", None)
     for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier"):
         if getattr(config, attr, None) not in (None, 1, 1.0):
             return None
     if not callable(getattr(model, "get_decoder", None)):
         return None
+    return head
+
+
+def fusable_head(model: Any) -> torch.Tensor | None:
+    """The lm_head weight when the logits are exactly `hidden @ W^T` (`plain_head`, bias-free, fp32);
+    else None and the caller takes the plain path."""
+    head = plain_head(model)
+    if head is None or head.bias is not None:
+        return None
+    if head.weight.dtype != torch.float32:
+        return None  # the chunked math here is fp32 end to end
     weight: torch.Tensor = head.weight
     return weight
 

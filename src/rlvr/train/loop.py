@@ -46,6 +46,7 @@ import yaml
 from rich.markup import escape
 
 from rlvr.algorithms import ALGORITHMS
+from rlvr.allocator import keep_freed_memory
 from rlvr.build import build_optimizer, build_policy, rollout_limits, use_bf16
 from rlvr.config import RunConfig, config_to_dict, load_config
 from rlvr.errors import ConfigError
@@ -133,6 +134,8 @@ def train(
     if main_rank:
         require_trackers(cfg.tracking.trackers)  # a missing tracker library, before the model loads
     seed_everything(cfg.train.seed)
+    if cfg.train.keep_freed_memory:
+        keep_freed_memory()  # for the rest of the process (rlvr.allocator)
 
     # Under torchrun: this process is one rank; rank 0 alone writes metrics and checkpoints.
     dist = torch_dist_context(cfg)
