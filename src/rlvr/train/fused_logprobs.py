@@ -115,6 +115,8 @@ def plain_head(model: Any) -> torch.nn.Linear | None:
     """The lm_head when the model's logits are exactly `head(decoder(...).last_hidden_state)`: a
     plain nn.Linear, no logit scaling or soft-capping, a decoder reachable by `get_decoder()`; else
     None (the caller lets the model run its own head)."""
+    if _fsdp_sharded(model):
+        return None  # its root weights (embeddings, lm_head) are gathered by its own forward only
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear:
         return None  # e.g. a peft LoRA layer on the lm_head
@@ -125,6 +127,14 @@ def plain_head(model: Any) -> torch.nn.Linear | None:
     if not callable(getattr(model, "get_decoder", None)):
         return None
     return head
+
+
+def _fsdp_sharded(model: Any) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(model, FSDPModule)
 
 
 def fusable_head(model: Any) -> torch.Tensor | None:
