@@ -267,9 +267,9 @@ def _shared_prefix_outputs(model: Any, batch: TrainBatch, hidden: bool) -> list[
     not a plain linear layer (`plain_head`: the model runs its own) come in two pieces [(B, 1, .)
     from the prompt's last position, (B, C-1, .)]."""
     # One lm_head call over all C positions rather than one for the prompt's last position and one
-    # for the rest: the prompt's call has one position per prompt, so its weight gradient is a rank-1
-    # (V, H) outer product (28M numbers for SmolLM2), cast and accumulated on its own; ~0.3 s of a
-    # 4.5 s bf16 update (profiled, docs/performance.md).
+    # for the rest: the prompt's call has one position per prompt, yet its weight gradient is a full
+    # (V, H) outer product (28M numbers for SmolLM2), cast and accumulated on its own (~0.25 s of a
+    # profiled bf16 update; unprofiled, the gain is within run-to-run noise: docs/performance.md).
     head = None if hidden else plain_head(model)
     states = hidden or head is not None  # the decoder's hidden states from both passes
     cache = DynamicCache()
