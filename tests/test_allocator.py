@@ -20,6 +20,9 @@ class MallInfo2(ctypes.Structure):
         "fordblks", "keepcost")]
 
 libc = ctypes.CDLL(None)
+if not hasattr(libc, "mallinfo2"):  # glibc before 2.33, or not glibc
+    print("no-mallinfo2")
+    raise SystemExit(0)
 libc.mallinfo2.restype = MallInfo2
 
 def mmapped_while_alive(nbytes):
@@ -43,6 +46,8 @@ def test_large_tensors_come_from_the_heap_after_keep_freed_memory() -> None:
         [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    if proc.stdout.strip() == "no-mallinfo2":
+        pytest.skip("this libc has no mallinfo2 to count mmapped blocks")
     default, applied, again, kept = proc.stdout.split()
     assert int(default) >= 64 << 20  # glibc's default: a 64 MiB block is its own mmap
     assert applied == again == "True"  # applied once, idempotent after

@@ -222,17 +222,14 @@ def test_cli_error_exit_code_and_stderr(tmp_path: Path) -> None:
     import os
     import subprocess
     import sys
-    import time
 
     env = {**os.environ, "RLVR_CACHE": str(tmp_path / "cache")}
-    started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "rlvr.cli", "env", "demos", "nosuch", "-o", "never.jsonl"],
         capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     assert proc.returncode == 2
     assert not (tmp_path / "cache" / "models").exists(), "no model was converted"
-    assert time.monotonic() - started < 60
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: task.env.name 'nosuch' is not a known")
 
