@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from functools import cache
 
 # glibc's malloc.h parameter numbers.
 M_TRIM_THRESHOLD = -1
@@ -27,28 +28,21 @@ M_MMAP_MAX = -4
 # mallopt takes an int: the largest trim threshold it can hold.
 _NEVER_TRIM_BYTES = 2**31 - 1
 
-_applied: list[bool] = []
 
-
+@cache
 def keep_freed_memory() -> bool:
     """Keep freed memory in this process (no mmap per large block, no heap trimming). Idempotent.
 
     Returns True when glibc took both settings; False on a platform without glibc's mallopt (macOS,
     Windows, musl's no-op), where nothing changes."""
-    if _applied:
-        return _applied[0]
-    applied = False
-    if sys.platform.startswith("linux"):
-        try:
-            mallopt = ctypes.CDLL(None).mallopt  # the libc this process already runs on
-        except (OSError, AttributeError):
-            mallopt = None
-        if mallopt is not None:
-            mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-            mallopt.restype = ctypes.c_int
-            # Trimming off first: with mmap off and trimming on, a freed large block at the heap's
-            # top would be handed back to the system at once.
-            applied = mallopt(M_TRIM_THRESHOLD, _NEVER_TRIM_BYTES) == 1
-            applied = applied and mallopt(M_MMAP_MAX, 0) == 1
-    _applied.append(applied)
-    return applied
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the libc this process already runs on
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    # Trimming off first: with mmap off and trimming on, a freed large block at the heap's top
+    # would be handed back to the system at once.
+    return mallopt(M_TRIM_THRESHOLD, _NEVER_TRIM_BYTES) == 1 and mallopt(M_MMAP_MAX, 0) == 1
