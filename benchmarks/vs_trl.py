@@ -28,15 +28,20 @@ side (benchmarks/_vs_trl_report.py), a line per mode naming the TRL run the rati
 (`_fast` fields: the decode=fast row; `trl_reference`: fp32 or bf16).
 
 Learning per wall-clock (`--learning`): each framework trains full fine-tuning for the same budget
-(`--budget-minutes`, counted from its first step; G=8 x 2 prompts, 32 new tokens, lr 1e-5 constant,
-beta 0, T=1; TRL in fp32), then both final models are scored by the same evaluator (rlvr's: greedy,
-32 new tokens, the first `--eval-n` held-out problems). The last line is
+(`--budget-minutes`, counted from its first step; G=`--group-size` x `--learning-prompts` prompts,
+32 new tokens, `--lr` constant (1e-5), beta 0, T=`--learning-temperature` (1); TRL in fp32), then
+both final models are scored by the same evaluator (rlvr's: greedy, 32 new tokens, the first
+`--eval-n` held-out problems). The last line is
 
     heldout_accuracy_trl=X heldout_accuracy_rlvr=Y after_minutes=B
 
+A recipe is chosen with `--split validation`: both frameworks then train on the training problems
+less 200 of them picked by a fixed hash, and are scored on those 200; the held-out problems are not
+read at all. Only a recipe chosen that way may be quoted with a held-out number.
+
 Usage: python benchmarks/vs_trl.py [--steps 4] [--modes full,lora] [--max-new-tokens 64]
                                    [--trl-bf16 auto|on|off] [--rlvr-fast auto|bfloat16|float32|off]
-       python benchmarks/vs_trl.py --learning [--budget-minutes 10]
+       python benchmarks/vs_trl.py --learning [--budget-minutes 10] [--lr 1e-5] [--split validation]
        python benchmarks/vs_trl.py --model tiny-random --steps 2 --modes full   (a smoke run)
 This is a measuring instrument, not a test: numbers on a shared 2-core machine are noisy; read ratios.
 """
@@ -228,19 +233,78 @@ def run_rlvr(args: argparse.Namespace, lora: bool, variant: str) -> dict[str, An
 
 
 # ------------------------------------------------------------------------------- learning per wall-clock
-LEARNING_SETTINGS = (
-    "G=8 x 2 prompts, 32 new tokens, lr 1e-5 constant, beta 0, T=1, full fine-tuning"
-)
+VALIDATION_SIZE = 200
 
 
-def heldout_accuracy(model_dir: str, n: int) -> float:
-    """rlvr's evaluator on any saved model: greedy, 32 new tokens, the first n held-out problems."""
+def learning_settings(args: argparse.Namespace) -> str:
+    return (
+        f"G={args.group_size} x {args.learning_prompts} prompts, 32 new tokens, lr {args.lr:g} "
+        f"constant, beta 0, T={args.learning_temperature:g}, full fine-tuning"
+    )
+
+
+def _validation_files(directory: str) -> tuple[str, str]:
+    """The training problems cut in two JSONL files (train, validation) by a fixed hash of each
+    problem: VALIDATION_SIZE of them to score a recipe on, the rest to train on. Held-out problems
+    are never read. Rows: {"id", "prompt", "answer"}, the arithmetic task's own prompt text."""
+    from rlvr.config import ArithmeticConfig
+    from rlvr.tasks import _stable_fraction, arithmetic_tasks
+
+    train = sorted(
+        arithmetic_tasks(ArithmeticConfig()).train,
+        key=lambda t: _stable_fraction("validation:" + t.id),
+    )
+    paths = (os.path.join(directory, "train.jsonl"), os.path.join(directory, "validation.jsonl"))
+    for path, part in zip(paths, (train[VALIDATION_SIZE:], train[:VALIDATION_SIZE]), strict=True):
+        with open(path, "w") as f:
+            for t in part:
+                row = {
+                    "id": t.id,
+                    "prompt": t.messages[-1]["content"],
+                    "answer": t.fields["answer"],
+                }
+                f.write(json.dumps(row) + "\n")
+    return paths
+
+
+def _task_overrides(args: argparse.Namespace) -> list[str]:
+    """rlvr config overrides that swap the arithmetic task for the validation files, or nothing."""
+    if args.split != "validation":
+        return []
+    train, validation = _validation_files(tempfile.mkdtemp(prefix="vs-trl-validation-"))
+    return [
+        "task.source=dataset",
+        f"task.dataset.path={train}",
+        f"task.dataset.heldout_path={validation}",
+    ]
+
+
+def _learning_rows(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
+    if args.split != "validation":
+        return _prompts(n)
+    train, _ = _validation_files(tempfile.mkdtemp(prefix="vs-trl-validation-"))
+    with open(train) as f:
+        rows = [json.loads(line) for line in f][:n]
+    return [
+        {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows
+    ]
+
+
+def heldout_accuracy(model_dir: str, args: argparse.Namespace) -> float:
+    """rlvr's evaluator on any saved model: greedy, 32 new tokens, the first `--eval-n` problems of
+    the held-out split (or, with `--split validation`, of the validation problems)."""
     from rlvr.evaluate_cli import run_eval
 
     return float(
-        run_eval(model_dir, task="arithmetic", n=n, k=1, max_new_tokens=32, temperature=0.0)[
-            "eval/accuracy"
-        ]
+        run_eval(
+            model_dir,
+            task="arithmetic",
+            n=args.eval_n,
+            k=1,
+            max_new_tokens=32,
+            temperature=0.0,
+            overrides=_task_overrides(args),
+        )["eval/accuracy"]
     )
 
 
@@ -253,7 +317,7 @@ def learn_trl(args: argparse.Namespace) -> dict[str, Any]:
     from rlvr.verifiers import numeric_match
 
     path = resolve_model_path(args.model)
-    dataset = datasets.Dataset.from_list(_prompts(4000))
+    dataset = datasets.Dataset.from_list(_learning_rows(args, 4000))
 
     def correct(completions: list[Any], answer: list[Any], **_: Any) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
@@ -275,13 +339,13 @@ def learn_trl(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = tempfile.mkdtemp(prefix="trl-learn-")
     config = GRPOConfig(
         output_dir=out_dir,
-        per_device_train_batch_size=16,
-        num_generations=8,
+        per_device_train_batch_size=args.group_size * args.learning_prompts,
+        num_generations=args.group_size,
         max_completion_length=32,
         beta=0.0,
-        learning_rate=1e-5,
+        learning_rate=args.lr,
         lr_scheduler_type="constant",
-        temperature=1.0,
+        temperature=args.learning_temperature,
         max_steps=100_000,
         logging_steps=10,
         report_to="none",
@@ -304,7 +368,7 @@ def learn_trl(args: argparse.Namespace) -> dict[str, Any]:
     trainer.save_model(final_dir)
     tokenizer.save_pretrained(final_dir)
     del trainer
-    return {"steps": steps[0], "accuracy": heldout_accuracy(final_dir, args.eval_n)}
+    return {"steps": steps[0], "accuracy": heldout_accuracy(final_dir, args)}
 
 
 def learn_rlvr(args: argparse.Namespace) -> dict[str, Any]:
@@ -316,12 +380,12 @@ def learn_rlvr(args: argparse.Namespace) -> dict[str, Any]:
         None,
         [
             f"model.name={args.model}",
-            "sampling.group_size=8",
-            "sampling.prompts_per_step=2",
+            f"sampling.group_size={args.group_size}",
+            f"sampling.prompts_per_step={args.learning_prompts}",
             "sampling.max_new_tokens=32",
-            "sampling.temperature=1.0",
+            f"sampling.temperature={args.learning_temperature}",
             "objective.beta=0.0",
-            "train.learning_rate=1e-5",
+            f"train.learning_rate={args.lr}",
             "train.lr_schedule=constant",
             "train.steps=100000",
             f"train.time_limit_minutes={args.budget_minutes}",
@@ -330,19 +394,21 @@ def learn_rlvr(args: argparse.Namespace) -> dict[str, Any]:
             "tracking.trackio=false",
             "tracking.progress=false",
             f"output_dir={out_dir}",
+            *_task_overrides(args),
             *args.rlvr_set,
         ],
     )
     summary = train(cfg)
     # Scored the same way as TRL's model: from the run directory's last checkpoint.
-    return {"steps": summary.steps_done, "accuracy": heldout_accuracy(out_dir, args.eval_n)}
+    return {"steps": summary.steps_done, "accuracy": heldout_accuracy(out_dir, args)}
 
 
 def learning(args: argparse.Namespace, passthrough: list[str]) -> None:
     print("\n".join(machine().header()))
     print(
-        f"model {args.model}, 2-digit addition, {LEARNING_SETTINGS}; budget {args.budget_minutes} min "
-        f"each; held-out: rlvr's evaluator, greedy, first {args.eval_n} problems",
+        f"model {args.model}, 2-digit addition, {learning_settings(args)}; budget "
+        f"{args.budget_minutes} min each; scored on the {split_name(args)} problems: rlvr's evaluator, greedy, "
+        f"first {args.eval_n} problems; rlvr overrides: {args.rlvr_set or 'none'}",
         flush=True,
     )
     results: dict[str, dict[str, Any]] = {}
@@ -355,16 +421,21 @@ def learning(args: argparse.Namespace, passthrough: list[str]) -> None:
         results[framework] = result
         steps = "" if framework == "base" else f" after {result['steps']} steps"
         print(
-            f"{framework:5s} held-out accuracy {result['accuracy']:.1%}{steps}  "
+            f"{framework:5s} {split_name(args)} accuracy {result['accuracy']:.1%}{steps}  "
             f"(wall {time.time() - t0:.0f} s incl. load and eval)",
             flush=True,
         )
     if "trl" in results and "rlvr" in results:
+        key = split_name(args).replace("-", "")
         print(
-            f"heldout_accuracy_trl={results['trl']['accuracy']:.3f} "
-            f"heldout_accuracy_rlvr={results['rlvr']['accuracy']:.3f} "
+            f"{key}_accuracy_trl={results['trl']['accuracy']:.3f} "
+            f"{key}_accuracy_rlvr={results['rlvr']['accuracy']:.3f} "
             f"after_minutes={args.budget_minutes:g}"
         )
+
+
+def split_name(args: argparse.Namespace) -> str:
+    return "validation" if args.split == "validation" else "held-out"
 
 
 # ---------------------------------------------------------------------------------------- plumbing
@@ -373,7 +444,7 @@ def worker(args: argparse.Namespace) -> None:
     framework, mode, variant = parse_spec(args.worker)
     if mode == "learn":
         if framework == "base":
-            result = {"steps": 0, "accuracy": heldout_accuracy(args.model, args.eval_n)}
+            result = {"steps": 0, "accuracy": heldout_accuracy(args.model, args)}
         else:
             result = (learn_trl if framework == "trl" else learn_rlvr)(args)
     elif framework == "trl":
@@ -490,6 +561,19 @@ def main() -> None:
     parser.add_argument("--budget-minutes", type=float, default=10.0)
     parser.add_argument("--eval-n", type=int, default=200)
     parser.add_argument(
+        "--learning-prompts", type=int, default=2, help="--learning: prompts per step (x G)"
+    )
+    parser.add_argument(
+        "--learning-temperature", type=float, default=1.0, help="--learning: sampling temperature"
+    )
+    parser.add_argument(
+        "--split",
+        choices=("heldout", "validation"),
+        default="heldout",
+        help="--learning: score on the held-out problems, or on 200 training problems the runs "
+        "then do not train on (to choose a recipe without reading the held-out split)",
+    )
+    parser.add_argument(
         "--frameworks",
         default="base,trl,rlvr",
         help="--learning: which runs, in order (a subset re-measures one side; the comparison "
@@ -517,6 +601,9 @@ def main() -> None:
         f"--lr={args.lr}",
         f"--budget-minutes={args.budget_minutes}",
         f"--eval-n={args.eval_n}",
+        f"--learning-prompts={args.learning_prompts}",
+        f"--learning-temperature={args.learning_temperature}",
+        f"--split={args.split}",
         *[f"--rlvr-set={kv}" for kv in args.rlvr_set],
     ]
     if args.learning:

@@ -297,7 +297,9 @@ def test_fused_linear_logprobs_and_gradients_by_hand() -> None:
     g_logp, g_ent = torch.randn(7, generator=gen), torch.randn(7, generator=gen)
     for temperature in (1.0, 0.7):
         with fused_logprobs_chunk_rows(3):  # several chunks, the last one short
-            logp, ent = LinearTokenLogprobs.apply(hidden, weight, targets, temperature)
+            logp, ent = LinearTokenLogprobs.apply(
+                hidden, weight, targets, temperature, torch.float32
+            )
             grads = torch.autograd.grad((logp * g_logp + ent * g_ent).sum(), (hidden, weight))
         dist = torch.log_softmax(hidden @ weight.t() / temperature, dim=-1)
         hand_logp = dist.gather(1, targets[:, None]).squeeze(1)
@@ -307,6 +309,51 @@ def test_fused_linear_logprobs_and_gradients_by_hand() -> None:
         torch.testing.assert_close(ent, hand_ent, rtol=1e-5, atol=1e-5)
         for got, want in zip(grads, hand, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_linear_logprobs_in_bf16_by_hand() -> None:
+    """bf16 compute: the head's matmuls see bf16-rounded hidden states and weights and give bf16
+    logits, the softmax is fp32; the weight gradient is one bf16 matmul over all positions (rounded
+    once, as autocast's), returned in the weight's fp32. Small-integer inputs make the logits exact in
+    bf16 on any CPU; the hand version rounds the logit gradients and the two head gradients to bf16
+    (float64 elsewhere), so they agree to a bf16 ulp whatever order a CPU's kernel sums in."""
+    from rlvr.train.fused_logprobs import LinearTokenLogprobs, fused_logprobs_chunk_rows
+
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randint(-2, 3, (7, 5), generator=gen).float().requires_grad_()
+    weight = torch.randint(-2, 3, (11, 5), generator=gen).float().requires_grad_()
+    targets = torch.randint(0, 11, (7,), generator=gen)
+    g_logp, g_ent = torch.randn(7, generator=gen), torch.randn(7, generator=gen)
+    temperature = 4.0  # a power of two: the tempered logits stay exact
+    with fused_logprobs_chunk_rows(3):
+        logp, ent = LinearTokenLogprobs.apply(hidden, weight, targets, temperature, torch.bfloat16)
+        g_hidden, g_weight = torch.autograd.grad(
+            (logp * g_logp + ent * g_ent).sum(), (hidden, weight)
+        )
+    assert logp.dtype == ent.dtype == g_weight.dtype == g_hidden.dtype == torch.float32
+
+    def bf16(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().bfloat16().double()
+
+    h64, w64 = bf16(hidden).requires_grad_(), bf16(weight)
+    z = (h64.detach() @ w64.t()) / temperature
+    dist = torch.log_softmax(z, dim=-1)
+    torch.testing.assert_close(
+        logp.double(), dist.gather(1, targets[:, None]).squeeze(1), rtol=0, atol=1e-5
+    )
+    torch.testing.assert_close(ent.double(), -(dist.exp() * dist).sum(-1), rtol=0, atol=1e-5)
+    z_leaf = z.clone().requires_grad_()
+    dist = torch.log_softmax(z_leaf, dim=-1)
+    loss = (dist.gather(1, targets[:, None]).squeeze(1) * g_logp.double()).sum() + (
+        -(dist.exp() * dist).sum(-1) * g_ent.double()
+    ).sum()
+    (grad_z,) = torch.autograd.grad(loss, (z_leaf,))
+    grad_z = bf16(grad_z / temperature)
+    ulp = 2.0**-8
+    torch.testing.assert_close(g_hidden.double(), bf16(grad_z @ w64), rtol=ulp, atol=1e-6)
+    torch.testing.assert_close(
+        g_weight.double(), bf16(grad_z.t() @ h64.detach()), rtol=ulp, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("share_prefix", [True, False])
@@ -353,21 +400,74 @@ def test_fused_path_equals_the_logits_path_in_values_and_gradients(
         assert rel < 1e-4, f"{name}: relative gradient difference {rel:.2e}"
 
 
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_fused_path_equals_the_logits_path_under_bf16_autocast(
+    tiny_model_dir: Path, share_prefix: bool
+) -> None:
+    """The trainer's bf16 update (autocast): the fused head's bf16 matmuls against autocast's lm_head.
+    Both round the same products to bf16, so they agree far inside a bf16 ulp of the logits' scale;
+    an fp32 or a wrong-formula head would not (checked by the fp32 test above)."""
+    policy = load_policy(str(tiny_model_dir))
+    model = policy.model
+    model.train()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, 100, (n,), generator=gen).tolist() for n in (5, 8)]
+    rows = [
+        _trajectory(prompts[i % 2], torch.randint(4, 100, (n,), generator=gen).tolist())
+        for i, n in enumerate((3, 6, 1, 4))
+    ]
+    batch = collate(rows, [[0.0] * (len(r.token_ids) - r.prompt_length) for r in rows], 0)
+    weights = torch.randn(batch.completion_ids_B_C.shape, generator=gen) * batch.completion_mask_B_C
+    results = {}
+    for fused in (True, False):
+        model.zero_grad(set_to_none=True)
+        logp, entropy, _ = token_distributions(
+            model,
+            batch,
+            0.8,
+            with_entropy=True,
+            bf16=True,
+            share_prefix=share_prefix,
+            with_full=False,
+            fused=fused,
+        )
+        assert entropy is not None and logp.dtype == torch.float32
+        (logp * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        assert all(g.dtype == torch.float32 for g in grads.values())
+        results[fused] = (logp.detach(), entropy, grads)
+    valid = batch.completion_mask_B_C.bool()
+    (lp_f, ent_f, g_f), (lp_p, ent_p, g_p) = results[True], results[False]
+    torch.testing.assert_close(lp_f[valid], lp_p[valid], rtol=0.0, atol=1e-3)
+    torch.testing.assert_close(ent_f[valid], ent_p[valid], rtol=0.0, atol=1e-3)
+    assert g_f.keys() == g_p.keys()
+    for name, grad in g_p.items():
+        rel = (g_f[name] - grad).norm() / grad.norm().clamp(min=1e-12)
+        assert rel < 1e-2, f"{name}: relative gradient difference {rel:.2e}"
+
+
 def test_fused_head_is_refused_where_logits_are_not_a_plain_matmul(tiny_model_dir: Path) -> None:
     from rlvr.train.fused_logprobs import fusable_head
 
     model = load_policy(str(tiny_model_dir)).model
     assert fusable_head(model) is model.get_output_embeddings().weight
+    model.get_output_embeddings().half()  # fp16: neither the fp32 nor the bf16 arithmetic
+    assert fusable_head(model) is None
+    model.get_output_embeddings().bfloat16()  # a bf16 reference copy: fused in bf16
+    assert fusable_head(model) is model.get_output_embeddings().weight
     model.config.final_logit_softcapping = 30.0
     assert fusable_head(model) is None
 
 
-def test_fused_logprobs_auto_means_lora_only() -> None:
+def test_fused_logprobs_auto_means_lora_with_an_fp32_update_only() -> None:
     from rlvr.config import load_config
     from rlvr.train.update import use_fused_logprobs
 
-    assert not use_fused_logprobs(load_config(None, []))
-    assert use_fused_logprobs(load_config(None, ["model.lora.enabled=true"]))
-    assert use_fused_logprobs(load_config(None, ["train.fused_logprobs=true"]))
-    off = ["model.lora.enabled=true", "train.fused_logprobs=false"]
-    assert not use_fused_logprobs(load_config(None, off))
+    lora = load_config(None, ["model.lora.enabled=true"])
+    assert not use_fused_logprobs(load_config(None, []), bf16=False)
+    assert use_fused_logprobs(lora, bf16=False)
+    assert not use_fused_logprobs(lora, bf16=True)  # measured slower there, for little memory
+    for bf16 in (False, True):  # an explicit setting is followed in either precision
+        assert use_fused_logprobs(load_config(None, ["train.fused_logprobs=true"]), bf16=bf16)
+        off = ["model.lora.enabled=true", "train.fused_logprobs=false"]
+        assert not use_fused_logprobs(load_config(None, off), bf16=bf16)

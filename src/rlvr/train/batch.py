@@ -135,8 +135,8 @@ def token_logprobs(
 
     Logits are divided by the sampling temperature (as the generator did) and the softmax is taken in
     fp32 whatever the matmul dtype. The entropy is detached (a metric) unless `entropy_grad` asks for
-    its gradient (an entropy bonus). `fused` (fp32 only) goes from hidden states to per-token values
-    a chunk at a time without the (B, C, V) logits (rlvr.train.fused_logprobs).
+    its gradient (an entropy bonus). `fused` goes from hidden states to per-token values a chunk at
+    a time without the (B, C, V) logits (rlvr.train.fused_logprobs; its matmuls in bf16 with `bf16`).
     """
     logprobs_B_C, entropy_B_C, _ = token_distributions(
         model,
@@ -170,7 +170,7 @@ def token_distributions(
     # be carried to the completions: take the plain path then.
     checkpointing = model.training and _activation_checkpointing(model)
     shared = share_prefix and not checkpointing
-    head_V_H = fusable_head(model) if fused and not with_full and not bf16 else None
+    head_V_H = fusable_head(model) if fused and not with_full else None
     with autocast_context(bf16, batch.completion_ids_B_C.device.type):
         if shared:
             pieces = _shared_prefix_outputs(model, batch, hidden=head_V_H is not None)
@@ -186,7 +186,7 @@ def token_distributions(
         start += width
         if head_V_H is not None:
             logp_B_c, entropy_B_c = token_logprobs_from_hidden(
-                piece, head_V_H, target_B_c, temperature
+                piece, head_V_H, target_B_c, temperature, bf16=bf16
             )
             logprobs.append(logp_B_c)
             if with_entropy:

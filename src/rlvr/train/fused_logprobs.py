@@ -11,9 +11,15 @@ per position (log-sum-exp, entropy), and the backward recomputes each chunk's lo
     d logp_t / d z = onehot(t) - p          d H / d z = -p * (log p + H)
 
 Cost: one more lm_head matmul per position (recomputed in the backward), ~4% of a full fine-tuning
-update for SmolLM2; saving: ~0.4 GB of peak memory per 8-row micro-batch. Same arithmetic as the
-plain path up to float rounding (tests/test_fastpath.py). The same idea as Liger-Kernel's fused
+update for SmolLM2 in fp32; saving: ~0.4 GB of peak memory per 8-row micro-batch. Same arithmetic as
+the plain path up to float rounding (tests/test_fastpath.py). The same idea as Liger-Kernel's fused
 linear cross-entropy, written for log-probs + entropy rather than a loss.
+
+In bf16 (`compute_dtype`, the trainer's bf16 update) the lm_head matmuls take bf16 inputs and their
+logits are read back as fp32, as under bf16 autocast; the softmax work stays fp32. The backward keeps
+the (N, V) logit gradients in bf16 (what autocast's backward of the head would take as its input) and
+runs the two head matmuls once over all N positions, so the weight gradient is rounded to bf16 once,
+as autocast's is, and then accumulated into the fp32 weight's gradient.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ def fused_logprobs_chunk_rows(rows: int) -> Iterator[None]:
 
 
 class LinearTokenLogprobs(torch.autograd.Function):
-    """(hidden (N, H), weight (V, H), targets (N,), temperature) -> (logp (N,), entropy (N,))."""
+    """(hidden (N, H), weight (V, H), targets (N,), temperature, compute dtype of the head's matmuls)
+    -> (logp (N,), entropy (N,)), both fp32."""
 
     @staticmethod
     def forward(
@@ -48,15 +55,17 @@ class LinearTokenLogprobs(torch.autograd.Function):
         weight_V_H: torch.Tensor,
         targets_N: torch.Tensor,
         temperature: float,
+        compute_dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n, rows = hidden_N_H.shape[0], _CHUNK_ROWS[0]
-        ctx.rows = rows
+        ctx.rows, ctx.compute_dtype = rows, compute_dtype
         logp_N = hidden_N_H.new_empty(n, dtype=torch.float32)
         entropy_N = hidden_N_H.new_empty(n, dtype=torch.float32)
         lse_N = hidden_N_H.new_empty(n, dtype=torch.float32)
+        weight_c_V_H = weight_V_H.to(compute_dtype)  # no copy when it already is
         for s in range(0, n, rows):
             e = min(n, s + rows)
-            z_r_V = _tempered_logits(hidden_N_H[s:e], weight_V_H, temperature)
+            z_r_V = _tempered_logits(hidden_N_H[s:e], weight_c_V_H, temperature)
             lse_r = torch.logsumexp(z_r_V, dim=-1)
             lse_N[s:e] = lse_r
             logp_N[s:e] = z_r_V.gather(1, targets_N[s:e, None]).squeeze(1) - lse_r
@@ -71,19 +80,30 @@ class LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: Any, grad_logp_N: torch.Tensor | None, grad_entropy_N: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         hidden_N_H, weight_V_H, targets_N, lse_N, entropy_N = ctx.saved_tensors
-        temperature = ctx.temperature
+        temperature, compute_dtype = ctx.temperature, ctx.compute_dtype
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.zeros_like(hidden_N_H) if want_hidden else None
-        grad_weight = torch.zeros_like(weight_V_H) if want_weight else None
         if grad_logp_N is None and grad_entropy_N is None:
-            return grad_hidden, grad_weight, None, None
+            return (
+                torch.zeros_like(hidden_N_H) if want_hidden else None,
+                torch.zeros_like(weight_V_H) if want_weight else None,
+                None,
+                None,
+                None,
+            )
+        weight_c_V_H = weight_V_H.to(compute_dtype)
+        # fp32: each chunk's head gradients are accumulated as the chunk is done (no (N, V) buffer);
+        # bf16: the chunks' logit gradients are kept, rounded to bf16, for one matmul per head input.
+        low = compute_dtype != torch.float32
         n, rows = hidden_N_H.shape[0], ctx.rows
+        grad_z_N_V = weight_c_V_H.new_empty(n, weight_V_H.shape[0]) if low else None
+        grad_hidden = torch.zeros_like(hidden_N_H) if want_hidden and not low else None
+        grad_weight = torch.zeros_like(weight_V_H) if want_weight and not low else None
         for s in range(0, n, rows):
             e = min(n, s + rows)
             h_r_H = hidden_N_H[s:e]
-            z_r_V = _tempered_logits(h_r_H, weight_V_H, temperature)
+            z_r_V = _tempered_logits(h_r_H, weight_c_V_H, temperature)
             logprobs_r_V = z_r_V.sub_(lse_N[s:e, None])  # z no longer needed: log p in place
             p_r_V = logprobs_r_V.exp()
             if grad_entropy_N is not None:
@@ -97,17 +117,28 @@ class LinearTokenLogprobs(torch.autograd.Function):
                 grad_z_r_V.sub_(p_r_V.mul_(g_r[:, None]))
                 grad_z_r_V.scatter_add_(1, targets_N[s:e, None], g_r[:, None])
             grad_z_r_V.div_(temperature)
+            if grad_z_N_V is not None:
+                grad_z_N_V[s:e] = grad_z_r_V
+                continue
             if grad_hidden is not None:
                 torch.mm(grad_z_r_V, weight_V_H, out=grad_hidden[s:e])
             if grad_weight is not None:
                 grad_weight.addmm_(grad_z_r_V.t(), h_r_H)  # in place: no (V, H) temporary
-        return grad_hidden, grad_weight, None, None
+        if grad_z_N_V is not None:  # both operands are bf16 here: autocast has nothing to change
+            if want_hidden:
+                grad_hidden = (grad_z_N_V @ weight_c_V_H).to(hidden_N_H.dtype)
+            if want_weight:
+                grad_weight = (grad_z_N_V.t() @ hidden_N_H.to(compute_dtype)).to(weight_V_H.dtype)
+        return grad_hidden, grad_weight, None, None, None
 
 
 def _tempered_logits(
-    h_r_H: torch.Tensor, weight_V_H: torch.Tensor, temperature: float
+    h_r_H: torch.Tensor, weight_c_V_H: torch.Tensor, temperature: float
 ) -> torch.Tensor:
-    z_r_V = (h_r_H @ weight_V_H.t()).float()
+    """fp32 logits of one chunk, the matmul in the weight's dtype (`weight_c_V_H`, fp32 or bf16;
+    autocast, if on around the caller, must not pick another)."""
+    with torch.autocast(h_r_H.device.type, enabled=False):
+        z_r_V = (h_r_H.to(weight_c_V_H.dtype) @ weight_c_V_H.t()).float()
     return z_r_V.div_(temperature) if temperature != 1.0 else z_r_V
 
 
@@ -138,13 +169,13 @@ def _fsdp_sharded(model: Any) -> bool:
 
 
 def fusable_head(model: Any) -> torch.Tensor | None:
-    """The lm_head weight when the logits are exactly `hidden @ W^T` (`plain_head`, bias-free, fp32);
-    else None and the caller takes the plain path."""
+    """The lm_head weight when the logits are exactly `hidden @ W^T` (`plain_head`, bias-free, an
+    fp32 or bf16 weight); else None and the caller takes the plain path."""
     head = plain_head(model)
     if head is None or head.bias is not None:
         return None
-    if head.weight.dtype != torch.float32:
-        return None  # the chunked math here is fp32 end to end
+    if head.weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
     weight: torch.Tensor = head.weight
     return weight
 
@@ -154,10 +185,18 @@ def token_logprobs_from_hidden(
     weight_V_H: torch.Tensor,
     targets_B_c: torch.Tensor,
     temperature: float,
+    bf16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, c, H) hidden states -> (B, c) log-probs of `targets_B_c` and (B, c) entropies."""
+    """(B, c, H) hidden states -> (B, c) log-probs of `targets_B_c` and (B, c) entropies (fp32).
+    The head's matmuls run in bf16 when `bf16` (the trainer's bf16 autocast) or the weight is bf16
+    (a bf16 reference copy), else in fp32."""
     b, c, h = hidden_B_c_H.shape
+    compute_dtype = torch.bfloat16 if bf16 else weight_V_H.dtype
     logp_N, entropy_N = LinearTokenLogprobs.apply(
-        hidden_B_c_H.reshape(b * c, h), weight_V_H, targets_B_c.reshape(b * c), temperature
+        hidden_B_c_H.reshape(b * c, h),
+        weight_V_H,
+        targets_B_c.reshape(b * c),
+        temperature,
+        compute_dtype,
     )
     return logp_N.view(b, c), entropy_N.view(b, c)

@@ -171,10 +171,11 @@ class RankPlan:
         return TrainBatch(*(getattr(batch, f.name).to(device) for f in fields(TrainBatch)))
 
 
-def use_fused_logprobs(cfg: RunConfig) -> bool:
-    """`train.fused_logprobs`, with auto = LoRA runs only (see its description in config.py)."""
+def use_fused_logprobs(cfg: RunConfig, bf16: bool) -> bool:
+    """`train.fused_logprobs`, with auto = LoRA runs with an fp32 update only (see its description
+    in config.py); `bf16` is the update's resolved precision (`use_bf16`)."""
     setting = cfg.train.fused_logprobs
-    return cfg.model.lora.enabled if setting == "auto" else bool(setting)
+    return cfg.model.lora.enabled and not bf16 if setting == "auto" else bool(setting)
 
 
 def trains_on(trajectory: Trajectory, cfg: RunConfig) -> bool:
@@ -234,7 +235,7 @@ def policy_update(
         cfg.train.micro_batch_size,
         dist,
         cfg.train.share_prompt_prefix,
-        use_fused_logprobs(cfg),
+        use_fused_logprobs(cfg, bf16),
     )
     device = dist.device if dist is not None else None
     # Under fsdp the list ends with zero-weight padding micro-batches (RankPlan): `real` says which.
@@ -462,7 +463,7 @@ def reference_logprobs(
         cfg.train.micro_batch_size,
         dist,
         cfg.train.share_prompt_prefix,
-        use_fused_logprobs(cfg),
+        use_fused_logprobs(cfg, bf16),
     )
     policy.model.eval()
     with policy.reference(bf16_matmuls=bf16) as ref:
