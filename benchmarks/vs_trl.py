@@ -50,6 +50,7 @@ This is a measuring instrument, not a test: numbers on a shared 2-core machine a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -244,12 +245,16 @@ def learning_settings(args: argparse.Namespace) -> str:
     )
 
 
-def _validation_files(directory: str) -> tuple[str, str]:
+@functools.cache
+def _validation_files() -> tuple[str, str]:
     """The training problems cut in two JSONL files (train, validation) by a fixed hash of each
     problem: VALIDATION_SIZE of them to score a recipe on, the rest to train on. Held-out problems
-    are never read. Rows: {"id", "prompt", "answer"}, the arithmetic task's own prompt text."""
+    are never read. Rows: {"id", "prompt", "answer"}, the arithmetic task's own prompt text. Written
+    once per process (training and scoring read the same files)."""
     from rlvr.config import ArithmeticConfig
     from rlvr.tasks import _stable_fraction, arithmetic_tasks
+
+    directory = tempfile.mkdtemp(prefix="vs-trl-validation-")
 
     train = sorted(
         arithmetic_tasks(ArithmeticConfig()).train,
@@ -272,7 +277,7 @@ def _task_overrides(args: argparse.Namespace) -> list[str]:
     """rlvr config overrides that swap the arithmetic task for the validation files, or nothing."""
     if args.split != "validation":
         return []
-    train, validation = _validation_files(tempfile.mkdtemp(prefix="vs-trl-validation-"))
+    train, validation = _validation_files()
     return [
         "task.source=dataset",
         f"task.dataset.path={train}",
@@ -283,7 +288,7 @@ def _task_overrides(args: argparse.Namespace) -> list[str]:
 def _learning_rows(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
     if args.split != "validation":
         return _prompts(n)
-    train, _ = _validation_files(tempfile.mkdtemp(prefix="vs-trl-validation-"))
+    train, _ = _validation_files()
     with open(train) as f:
         rows = [json.loads(line) for line in f][:n]
     return [

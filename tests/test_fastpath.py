@@ -331,6 +331,10 @@ def test_fused_linear_logprobs_in_bf16_by_hand() -> None:
             (logp * g_logp + ent * g_ent).sum(), (hidden, weight)
         )
     assert logp.dtype == ent.dtype == g_weight.dtype == g_hidden.dtype == torch.float32
+    # The head gradients come out of bf16 matmuls: every value is a bf16 number (an fp32 matmul's
+    # would not be), on any CPU.
+    for grad in (g_hidden, g_weight):
+        assert torch.equal(grad, grad.bfloat16().float())
 
     def bf16(t: torch.Tensor) -> torch.Tensor:
         return t.detach().bfloat16().double()
@@ -354,11 +358,12 @@ def test_fused_linear_logprobs_in_bf16_by_hand() -> None:
     torch.testing.assert_close(g_weight.double(), bf16(grad_z.t() @ h64), rtol=ulp, atol=1e-6)
 
 
-# Tolerances per precision. fp32: float rounding. bf16 (the trainer's autocast update): the fused
-# head's bf16 matmuls against autocast's lm_head round the same products to bf16, so they agree far
-# inside a bf16 ulp of the logits' scale; a head left in fp32 under bf16 fails these (tried: its
-# log-probs differ by more than 1e-3).
-_FUSED_TOLERANCE = {False: (1e-5, 1e-4), True: (1e-3, 1e-2)}  # bf16: (value atol, grad rel)
+# Tolerances per precision, (value atol, gradient relative). fp32: float rounding. bf16 (the
+# trainer's autocast update): both heads round the same products to bf16 (5e-7 apart on the Xeon
+# where this was written); the bound leaves room for a CPU kind whose bf16 kernels sum in another
+# order (a logit ulp moves a log-prob by ~1e-3 here). That the fused head really computes in bf16
+# is checked exactly by the by-hand test above.
+_FUSED_TOLERANCE = {False: (1e-5, 1e-4), True: (5e-3, 2e-2)}
 
 
 @pytest.mark.parametrize("bf16", [False, True])
