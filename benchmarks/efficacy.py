@@ -343,12 +343,12 @@ def row_result(
 
 
 def precision_text(cfg: Any, trained: Path | None = None) -> str:
-    """The row's precision column: the update's, plus the sampling copy's when `decode: fast`
-    samples from a bf16 copy of the weights (learning under it is what such a row measures).
+    """The row's precision column: the update's, plus the sampling copy's when rlvr's decode path
+    (`decode: fast`, or `auto` resolving to it) samples from a bf16 copy of the weights (learning under it is what such a row measures).
     `trained`: the RL run's directory, whose `perf/precision` says what `model.bf16: auto` measured
     (a warm-up row's RL stage trains a model whose name the row's config does not hold)."""
     from rlvr.build import use_bf16
-    from rlvr.config import bf16_sampling_copy
+    from rlvr.config import bf16_sampling_copy, decode_path
     from rlvr.observe.tracking import read_metrics
 
     update = "bf16 autocast" if use_bf16(cfg.model) else "fp32"
@@ -357,7 +357,7 @@ def precision_text(cfg: Any, trained: Path | None = None) -> str:
     if logged:
         update = "bf16 autocast" if logged[-1] == 16 else "fp32"
     gen = cfg.generator
-    if gen.decode != "fast":
+    if decode_path(gen.backend, gen.decode, gen.decode_dtype, cfg.model.bf16) != "fast":
         return update
     copy_bf16 = bf16_sampling_copy(gen.backend, gen.decode, gen.decode_dtype, cfg.model.bf16)
     return f"{update}; sampling: own decode, {'bf16' if copy_bf16 else 'fp32'} copy"

@@ -66,7 +66,10 @@ def _auto_precision_needs_the_mark(
     `precision` a second time with `auto` resolved the other way (RLVR_AUTO_BF16, rlvr.build), and
     this check keeps the mark honest: it fails any unmarked test that asked the CPU. Tests that pin
     `model.bf16` (or `autocast_bf16=`) never ask and need no mark. Tests that resolve `auto` only in a
-    subprocess (torchrun, a launched server) are not seen here: mark them by hand.
+    subprocess (torchrun, a launched server) are not seen here: mark them by hand. The sampler's
+    `generator.decode_dtype: auto` (rlvr.build.bf16_sampler_on) follows RLVR_AUTO_BF16 too, which
+    this file always sets, so it never asks the CPU in a test: unmarked tests sample on HF's path,
+    and the `precision` tests run again from the bf16 copy.
     """
     import rlvr.build as build
 

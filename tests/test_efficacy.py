@@ -404,7 +404,8 @@ def test_a_row_says_its_base_came_from_the_cache(
             ["generator.decode=fast", "generator.decode_dtype=bfloat16"],
             "fp32; sampling: own decode, bf16 copy",
         ),
-        (["generator.decode_dtype=bfloat16"], "fp32"),  # the copy exists only on the fast path
+        (["generator.decode=hf", "generator.decode_dtype=bfloat16"], "fp32"),  # no copy on hf
+        (["generator.decode_dtype=bfloat16"], "fp32; sampling: own decode, bf16 copy"),  # auto
     ],
 )
 def test_precision_column_names_the_sampling_copy(

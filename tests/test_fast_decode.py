@@ -345,6 +345,40 @@ def test_config_switch_reaches_the_generator(tiny_model_dir: Path) -> None:
     assert decode_options(default) == {"decode": "hf", "decode_dtype": torch.float32}
 
 
+@pytest.mark.precision  # resolves model.bf16: auto (under a CPU kind and RLVR_AUTO_BF16 it sets)
+@pytest.mark.parametrize(
+    ("native", "env", "bf16", "expected"),
+    [
+        (True, None, "auto", ("fast", torch.bfloat16)),  # the default on a native-bf16 CPU
+        (False, None, "auto", ("hf", torch.float32)),  # AVX2: HF's forward, as before
+        (True, None, "off", ("hf", torch.float32)),  # model.bf16: off means no bf16 anywhere
+        (False, None, "on", ("fast", torch.bfloat16)),
+        (True, "off", "auto", ("hf", torch.float32)),  # RLVR_AUTO_BF16 overrides the CPU check
+        (False, "on", "auto", ("fast", torch.bfloat16)),
+    ],
+)
+def test_decode_auto_samples_from_a_bf16_copy_exactly_on_native_bf16_cpus(
+    native: bool,
+    env: str | None,
+    bf16: str,
+    expected: tuple[str, torch.dtype],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """generator.decode and decode_dtype left at auto: rlvr's decode path from a bf16 copy where the
+    CPU has native bf16 (it learned more in 10 minutes there, docs/performance.md), else HF's."""
+    import rlvr.build
+    from rlvr.config import RunConfig
+
+    monkeypatch.setattr(rlvr.build, "cpu_has_bf16", lambda: native)
+    if env is None:
+        monkeypatch.delenv("RLVR_AUTO_BF16", raising=False)
+    else:
+        monkeypatch.setenv("RLVR_AUTO_BF16", env)
+    cfg = RunConfig.model_validate({"model": {"bf16": bf16}})
+    assert tuple(rlvr.build.decode_options(cfg).values()) == expected
+    assert (cfg.objective.tis_cap == 2.0) == (expected[1] == torch.bfloat16)
+
+
 def test_the_float32_path_reads_the_policys_own_matrices() -> None:
     """No float32 copy of the weights: every matrix of a float32 DecodeWeights is the policy's own
     tensor (same storage), so the fast path adds no weight memory and sees each update in place."""

@@ -60,7 +60,8 @@ def test_the_threshold_follows_the_precision_of_both_sides() -> None:
         ({"decode": "fast", "decode_dtype": "bfloat16"}, {}, 2.0, "bf16"),
         ({"decode": "fast", "decode_dtype": "float32"}, {}, None, "fp32"),
         ({"decode": "fast"}, {}, None, "fp32"),  # auto follows model.bf16: off
-        ({"decode_dtype": "bfloat16"}, {}, None, "fp32"),  # decode hf: no copy to sample from
+        ({"decode": "hf", "decode_dtype": "bfloat16"}, {}, None, "fp32"),  # no copy to sample from
+        ({"decode_dtype": "bfloat16"}, {}, 2.0, "bf16"),  # decode auto takes the copy
         ({"decode": "fast", "decode_dtype": "bfloat16"}, {"tis_cap": 1.5}, 1.5, "bf16"),
         ({"decode": "fast", "decode_dtype": "bfloat16"}, {"tis_cap": None}, None, "bf16"),
     ],
@@ -100,8 +101,9 @@ def test_the_raw_config_rule_and_the_resolved_one_agree(
                 s = mismatch_setup(cfg)
                 assert s is not None and (s.precision == "bf16") >= copy, raw
                 copies += copy
-    # fast with bfloat16 (3 bf16 settings) or auto/left out where bf16 resolves on
-    assert copies == 4 + (2 * 3 if auto_bf16 == "on" else 2)
+    # decode fast or auto (left out), each: bfloat16 under any of the 4 model.bf16 settings, or
+    # dtype auto / left out where the sampler's bf16 resolves on (model.bf16 on; auto with the env)
+    assert copies == 2 * (4 + (2 * 3 if auto_bf16 == "on" else 2))
 
 
 def test_the_behaviour_gap_is_not_read_where_it_is_stale_or_renormalised_by_design() -> None:

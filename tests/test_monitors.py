@@ -364,10 +364,13 @@ def test_far_too_high_learning_rate_raises_entropy_collapse(
     """lr 1.0 (~330x tiny.yaml's): -log p of the samples 4.8 -> ~0 within 5 steps in fp32 and under
     a bf16 update; fires at step 10, the first step early_steps + patience allows. (At lr 0.3 a
     bf16 run with seed 0 settled at -log p 0.5-0.9 with every group at zero variance, which the
-    echo-trap monitor reports instead: not "far too high" enough to be sure of a collapse.)"""
+    echo-trap monitor reports instead: not "far too high" enough to be sure of a collapse.)
+    HF's fp32 sampler, pinned: sampled from the bf16 copy (the default on native-bf16 CPUs) -log p
+    falls 4.8 -> 0.06 within two steps, so the 5-step baseline (mean 1.09) already holds the
+    collapse and one later step at 0.12 keeps the rule quiet; the echo-trap rules fire there."""
     _, _, events = tiny_run(
         tiny_config_dir, tiny_model_dir, tmp_path / "lr", "train.learning_rate=1.0",
-        "train.steps=10", "eval.at_start=false", "eval.at_end=false",
+        "train.steps=10", "eval.at_start=false", "eval.at_end=false", "generator.decode=hf",
     )  # fmt: skip
     collapse = [e for e in events if e["event"] == "entropy_collapse"]
     assert [e["step"] for e in collapse] == [10]

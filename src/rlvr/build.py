@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rlvr.config import ModelConfig, RewardSpec, RunConfig, bf16_sampling_copy
+from rlvr.config import ModelConfig, RewardSpec, RunConfig, bf16_sampling_copy, decode_path
 from rlvr.errors import ConfigError
 from rlvr.models import LoraSettings, Policy, eos_token_ids, load_policy
 from rlvr.optim import adamw
@@ -52,12 +52,17 @@ def native_bf16() -> bool:
     an Intel Xeon with avx512_bf16 autocast made the step slower (issue 18). `cpu_has_bf16()`
     reports the hardware.
     """
+    return bool(forced_auto_bf16())
+
+
+def forced_auto_bf16() -> bool | None:
+    """RLVR_AUTO_BF16=on|off as a bool, None when unset."""
     forced = os.environ.get(AUTO_BF16_ENV, "").strip().lower()
     if forced in ("on", "off"):
         return forced == "on"
     if forced:
         raise ConfigError(f"{AUTO_BF16_ENV}={forced!r}: expected 'on' or 'off' (or unset)")
-    return False
+    return None
 
 
 @cache
@@ -68,6 +73,18 @@ def cpu_has_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def bf16_sampler_on(setting: str) -> bool:
+    """Whether `generator.decode_dtype: auto` samples from a bf16 weight copy under a `model.bf16`
+    setting: `on` yes, `off` no, `auto` where the CPU has native bf16 (`cpu_has_bf16`), or as
+    RLVR_AUTO_BF16=on|off says when set (so a test run on one CPU kind can take the other's path).
+    A fixed rule, not the update's timing (rlvr.train.precision_choice): sampling reads weights, and
+    a bf16 copy halves the bytes on any CPU whose bf16 matmuls are native (docs/performance.md)."""
+    if setting != "auto":
+        return setting == "on"
+    forced = forced_auto_bf16()
+    return cpu_has_bf16() if forced is None else forced
 
 
 # `model.bf16: auto` as measured by the RL loop for a model name (rlvr.train.precision_choice).
@@ -111,13 +128,13 @@ def build_policy(cfg: RunConfig) -> Policy:
 
 def decode_options(cfg: RunConfig) -> dict[str, Any]:
     """HFGenerator's `decode` and `decode_dtype` from `generator.decode` / `generator.decode_dtype`.
-    dtype auto: bfloat16 exactly when `rlvr.config.bf16_sampling_copy` says so (`model.bf16: on`, or
-    `auto` with RLVR_AUTO_BF16=on; the update's measured choice does not reach the sampler), so
-    truncated IS and the mismatch monitor follow the same answer."""
+    Both `auto`s resolve through `rlvr.config.bf16_sampling_copy` (`bf16_sampler_on`: native bf16
+    CPUs; the update's measured choice does not reach the sampler), so truncated IS and the
+    mismatch monitor follow the same answer."""
     g = cfg.generator
     copy_bf16 = bf16_sampling_copy(g.backend, g.decode, g.decode_dtype, cfg.model.bf16)
     return {
-        "decode": g.decode,
+        "decode": decode_path(g.backend, g.decode, g.decode_dtype, cfg.model.bf16),
         "decode_dtype": torch.bfloat16 if copy_bf16 else torch.float32,
     }
 

@@ -11,10 +11,11 @@ a host pays the ~15 s once per model size. CPUs without native bf16 never measur
 
 What the choice covers: the update's matmuls (bf16 compute over fp32 weights, which stay the
 optimizer's master copy; gradients accumulate in fp32 `.grad`; log-probs, losses and the softmax in
-fp32). Sampling stays fp32 whatever it says: the demo (examples/quickstart.yaml, seed 0, 12 steps)
-learned under a bf16 update with an fp32 sampler (train reward 0.0 -> 0.69, as in fp32) and did not
-learn when the sampler ran under autocast too (0.0 -> 0.03-0.28, entropy rising); a bf16 copy of the
-weights for sampling is `generator.decode: fast` + `decode_dtype: bfloat16`, opt-in. Offline stages
+fp32). Sampling never autocasts whatever it says: the demo (examples/quickstart.yaml, seed 0, 12
+steps) learned under a bf16 update with an fp32 sampler (train reward 0.0 -> 0.69, as in fp32) and
+did not learn when the sampler ran under autocast too (0.0 -> 0.03-0.28, entropy rising). A bf16
+sampler is a bf16 copy of the weights on rlvr's decode path (`generator.decode`/`decode_dtype`
+auto: on every CPU with native bf16, a fixed rule, rlvr.build.bf16_sampler_on). Offline stages
 (sft, dpo, reward_model) resolve `auto` without measuring (fp32 unless RLVR_AUTO_BF16=on).
 """
 
