@@ -298,7 +298,9 @@ def _learning_rows(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
 
 def heldout_accuracy(model_dir: str, args: argparse.Namespace) -> float:
     """rlvr's evaluator on any saved model: greedy, 32 new tokens, the first `--eval-n` problems of
-    the held-out split (or, with `--split validation`, of the validation problems)."""
+    the held-out split (or, with `--split validation`, of the validation problems). It decodes on
+    HF's fp32 path whatever the sampler default on this host, so the scorer is the same for every
+    model, host kind and session."""
     from rlvr.evaluate_cli import run_eval
 
     return float(
@@ -309,7 +311,7 @@ def heldout_accuracy(model_dir: str, args: argparse.Namespace) -> float:
             k=1,
             max_new_tokens=32,
             temperature=0.0,
-            overrides=_task_overrides(args),
+            overrides=["generator.decode=hf", *_task_overrides(args)],
         )["eval/accuracy"]
     )
 
