@@ -9,11 +9,12 @@ once for its n samples, drops finished rows, and also returns every token's log-
 order alternates (hf, rlvr, fast, fast-bf16, hf, rlvr, ...) so all see the same machine load:
 
     hf          model.generate, float32
-    rlvr        HFGenerator, HF's forward (decode "hf", the default), float32 (the RL sampler
-                never autocasts)
+    rlvr        HFGenerator, HF's forward (decode "hf": the default sampler on CPUs without native
+                bf16), float32 (the RL sampler never autocasts)
     fast        HFGenerator(decode="fast"): rlvr's decode path, the policy's float32 matrices
     fast-bf16   the same from a bfloat16 weight copy (where the CPU has native bf16,
-                `cpu_has_bf16()`, or with --bf16-copy: elsewhere bf16 matmuls are ~8x slower)
+                `cpu_has_bf16()`, and the default sampler there; or with --bf16-copy: elsewhere
+                bf16 matmuls are ~8x slower)
     hf-bf16     model.generate under bf16 autocast (native-bf16 CPUs: TRL's bf16=True samples so);
                 the ratios against HF use the faster of hf and hf-bf16
 

@@ -414,3 +414,49 @@ def test_finished_rows_are_filled_from_the_end_and_rows_keep_their_keys() -> Non
     decoder.select(torch.tensor(order))
     assert decoder.rows == 4
     torch.testing.assert_close(decoder.kv[:, :, :4, :, :width], before[:, :, order], rtol=0, atol=0)
+
+
+def test_the_update_runs_without_the_samplers_weight_copy(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bf16 sampling copy is dropped once the rollouts are in, so the update's peak memory does
+    not hold it; each step's rollouts build it again from the new weights (one build a step)."""
+    import gc
+
+    import rlvr.train.loop as loop
+    from rlvr.config import load_config
+
+    builds: list[int] = []
+    real_build = DecodeWeights.build.__func__  # type: ignore[attr-defined]
+
+    def counted_build(cls: type, *args: Any, **kwargs: Any) -> DecodeWeights:
+        builds.append(1)
+        return real_build(cls, *args, **kwargs)
+
+    live_at_update: list[int] = []
+    real_update = loop.policy_update
+
+    def update(*args: Any, **kwargs: Any) -> Any:
+        gc.collect()
+        live_at_update.append(sum(isinstance(o, DecodeWeights) for o in gc.get_objects()))
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(DecodeWeights, "build", classmethod(counted_build))
+    monkeypatch.setattr(loop, "policy_update", update)
+    cfg = load_config(
+        tiny_config_dir / "tiny.yaml",
+        [
+            f"model.name={tiny_model_dir}",
+            f"output_dir={tmp_path / 'run'}",
+            "model.bf16=off",
+            "generator.decode=fast",
+            "generator.decode_dtype=bfloat16",
+            "train.steps=3",
+            "eval.at_start=false",
+            "eval.at_end=false",
+            "tracking.progress=false",
+        ],
+    )
+    loop.train(cfg, config_dir=tiny_config_dir)
+    assert live_at_update == [0, 0, 0]
+    assert len(builds) == 3

@@ -313,6 +313,7 @@ def train(
             sampled, kept, filter_metrics = collect_groups(cfg, plan.sample_round)
             trajectories = flatten(kept)
             t_rollout = time.time() - t0
+            plan.before_update()  # the sampler's weight copy is not kept through the update
             # 2. advantages over the rollouts that scored, then per-token credit; KL in the reward
             #    needs the reference's log-probs first, ppo the critic's values
             ref_logprobs = reference_logprobs(policy, trajectories, cfg, dist=dist)

@@ -202,6 +202,13 @@ class RolloutPlan:
         self._refresh_copy()
         self._refresh_decode_weights()
 
+    def before_update(self) -> None:
+        """The rollouts are in: the in-process sampler's bf16 weight copy (269 MB for SmolLM2-135M)
+        goes now rather than after the update, so the update's peak memory does not hold it; the
+        next `generate` rebuilds it from the new weights, as it would have anyway. (An async
+        producer samples with a generator of its own, untouched here.)"""
+        self._refresh_decode_weights()
+
     def _refresh_decode_weights(self) -> None:
         """The in-process generator's fast-decode weight copy (generator.decode: fast) is stale."""
         if isinstance(self.generator, HFGenerator):
