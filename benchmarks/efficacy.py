@@ -344,7 +344,8 @@ def row_result(
 
 def precision_text(cfg: Any, trained: Path | None = None) -> str:
     """The row's precision column: the update's, plus the sampling copy's when rlvr's decode path
-    (`decode: fast`, or `auto` resolving to it) samples from a bf16 copy of the weights (learning under it is what such a row measures).
+    (`decode: fast`, or `auto` resolving to it) samples from a bf16 copy of the weights (learning
+    under it is what such a row measures).
     `trained`: the RL run's directory, whose `perf/precision` says what `model.bf16: auto` measured
     (a warm-up row's RL stage trains a model whose name the row's config does not hold)."""
     from rlvr.build import use_bf16

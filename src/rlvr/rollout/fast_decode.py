@@ -15,8 +15,8 @@ copy, half the bytes a memory-bound decode step reads (the residual stream, norm
 float32, each matmul's input is rounded to bf16 and its output read back as float32, much as bf16
 autocast does; the KV cache and attention are bf16 too: at 64 rows and ~120 columns the cache is
 ~350 MB a step in float32, more than the bf16 weights; halving it gave ~10% more tokens a second
-at 64 rows on a Xeon with AMX, 4 calls each, alternating). LoRA adapters are merged into a new matrix
-(`W + scale * B @ A`; the policy's weights are never written). HFGenerator rebuilds the weights
+at 64 rows on a Xeon with AMX, 4 calls each, alternating). LoRA adapters are merged into a new
+matrix (`W + scale * B @ A`; the policy's weights are never written). HFGenerator rebuilds the weights
 when the policy's change (`HFGenerator.refresh_weights`, called after each update, and a
 fingerprint check before every `generate`).
 
