@@ -16,8 +16,8 @@ float32, each matmul's input is rounded to bf16 and its output read back as floa
 autocast does; the KV cache and attention are bf16 too: at 64 rows and ~120 columns the cache is
 ~350 MB a step in float32, more than the bf16 weights; halving it gave ~10% more tokens a second
 at 64 rows on a Xeon with AMX, 4 calls each, alternating). LoRA adapters are merged into a new
-matrix (`W + scale * B @ A`; the policy's weights are never written). HFGenerator rebuilds the weights
-when the policy's change (`HFGenerator.refresh_weights`, called after each update, and a
+matrix (`W + scale * B @ A`; the policy's weights are never written). HFGenerator rebuilds the
+weights when the policy's change (`HFGenerator.refresh_weights`, called after each update, and a
 fingerprint check before every `generate`).
 
 The cache is [layers, 2 (K, V), rows, kv_heads, columns, head_dim]. Its columns are exactly those of
@@ -307,8 +307,8 @@ class StaticDecode:
         return kv
 
     def _allocate(self, rows: int, capacity: int) -> torch.Tensor:
-        """An uninitialised cache in the weights' dtype: every column is written (a prefill, a decode
-        step, a copy, or zeros for padding) before anything reads it."""
+        """An uninitialised cache in the weights' dtype: every column is written (a prefill, a
+        decode step, a copy, or zeros for padding) before anything reads it."""
         w = self.w
         shape = (len(w.layers), 2, rows, w.kv_heads, capacity, w.head_dim)
         return torch.empty(shape, dtype=w.dtype, device=w.embed.device)
