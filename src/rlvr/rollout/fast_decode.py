@@ -17,8 +17,9 @@ autocast does; the KV cache and attention are bf16 too: at 64 rows and ~120 colu
 ~350 MB a step in float32, more than the bf16 weights; halving it gave ~10% more tokens a second
 at 64 rows on a Xeon with AMX, 4 calls each, alternating). LoRA adapters are merged into a new
 matrix (`W + scale * B @ A`; the policy's weights are never written). HFGenerator rebuilds the
-weights when the policy's change (`HFGenerator.refresh_weights`, called after each update, and a
-fingerprint check before every `generate`).
+weights when the policy's change (`HFGenerator.refresh_weights`, called once a step's rollouts are
+in, so the update runs without the copy, and after each update; and a fingerprint check before
+every `generate`).
 
 The cache is [layers, 2 (K, V), rows, kv_heads, columns, head_dim]. Its columns are exactly those of
 HFGenerator's attention mask: prompts left-padded to the longest, then one column per decode step;

@@ -184,8 +184,9 @@ class HFGenerator:
         self.rng.set_state(state)
 
     def refresh_weights(self) -> None:
-        """The policy's weights changed (the trainer calls this after each update and on resume):
-        the fast path's copy is rebuilt at the next `generate`. A fingerprint of the weights is
+        """The policy's weights changed (the trainer calls this after each update and on resume;
+        also before each update, to free the copy's memory for it): the fast path's copy is rebuilt
+        at the next `generate`. A fingerprint of the weights is
         checked before every call as well, so a write without this call is seen too."""
         self._fast = self._fast_weights = None
         self._fast_key = None
