@@ -11,15 +11,12 @@ leave the cache by moving one row each (HFGenerator orders the survivors, `fill_
 The weights (`DecodeWeights`, built from the policy once per weight version): in float32 the
 policy's own matrices, no copy (fusing q/k/v and gate/up into one matrix each saved ~2% of a step
 here, not worth a second float32 copy of them); in bfloat16, on hosts with native bf16, a fused
-copy, half the bytes a memory-bound decode step reads (the residual stream, norms and RoPE stay
-float32, each matmul's input is rounded to bf16 and its output read back as float32, much as bf16
-autocast does; the KV cache and attention are bf16 too: at 64 rows and ~120 columns the cache is
-~350 MB a step in float32, more than the bf16 weights; halving it gave ~10% more tokens a second
-at 64 rows on a Xeon with AMX, 4 calls each, alternating). LoRA adapters are merged into a new
-matrix (`W + scale * B @ A`; the policy's weights are never written). HFGenerator rebuilds the
-weights when the policy's change (`HFGenerator.refresh_weights`, called once a step's rollouts are
-in, so the update runs without the copy, and after each update; and a fingerprint check before
-every `generate`).
+copy, half the bytes a decode step reads (residual stream, norms and RoPE in float32, matmul
+inputs rounded to bf16 and outputs read as float32, as bf16 autocast does; the KV cache and
+attention in bf16: at 64 rows a float32 cache outweighed the bf16 weights, +10% tokens/s). LoRA
+adapters are merged into a new matrix (`W + scale * B @ A`; the policy's are never written). The
+copy is rebuilt when the policy's weights change (`HFGenerator.refresh_weights`, called once a
+step's rollouts are in, so the update runs without it; and a fingerprint check every `generate`).
 
 The cache is [layers, 2 (K, V), rows, kv_heads, columns, head_dim]. Its columns are exactly those of
 HFGenerator's attention mask: prompts left-padded to the longest, then one column per decode step;
