@@ -471,10 +471,10 @@ class TrainConfig(_Section):
         "auto",
         description="Token log-probs and entropies from hidden states a chunk at a time, never "
         "holding the (rows x length x vocab) logits (rlvr.train.fused_logprobs; bf16 matmuls in a "
-        "bf16 update). auto = with LoRA and an fp32 update only: there the logits set the peak "
-        "memory; in full fine-tuning the weight gradients do, and the recomputed lm_head costs "
-        "~5-10% of the update; in a bf16 update it saved 2-3% of peak memory for ~5% more update "
-        "time, LoRA or not (measured, docs/performance.md).",
+        "bf16 update). auto = LoRA runs, and full fine-tuning with a bf16 update: there it holds "
+        "~200-260 MB less at the same full-FT update time (LoRA: ~8% more); in an fp32 full "
+        "fine-tuning the recomputed lm_head matmul costs ~5-10% of the update for little memory "
+        "(measured, docs/performance.md).",
     )
     seed: int = 0
     time_limit_minutes: float | None = Field(

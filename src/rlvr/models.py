@@ -223,17 +223,23 @@ class Policy:
 
 
 def matmul_weights_to_bf16(model: Any) -> None:
-    """Store every nn.Linear weight (and bias) of a frozen `model` in bf16, once (idempotent).
+    """Store every frozen nn.Linear weight (and bias) of `model` in bf16, once (idempotent): all of a
+    frozen reference's, or a LoRA policy's base layers (the adapters require grad and stay fp32).
 
     Under CPU bf16 autocast a linear layer casts its fp32 weight to bf16 on each call, and for
     weights that do not require grad that cast is not cached: a frozen reference paid it for every
     forward (a fresh 270 MB for SmolLM2-135M, ~1 s of a 10 s update). Rounding once gives the same
     bf16 values, so its autocast outputs are bit-identical (tests/test_precision_choice.py). A head
     tied to the input embedding gets its own bf16 tensor: the embedding lookup stays fp32, as
-    autocast leaves it. Sharded (DTensor) weights are left alone."""
+    autocast leaves it. Sharded (DTensor) weights are left alone. The model then needs bf16
+    autocast (or a bf16 weight copy) for every forward; `matmul_weights_to_fp32` undoes it."""
     if getattr(model, "_rlvr_bf16_matmuls", False):
         return
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    model._rlvr_tied_head = head is not None and getattr(head, "weight", None) is getattr(
+        embedding, "weight", False
+    )
     for module in model.modules():
         if not isinstance(module, torch.nn.Linear):
             continue
@@ -248,6 +254,30 @@ def matmul_weights_to_bf16(model: Any) -> None:
     if head is not None and hasattr(model, "config"):
         model.config.tie_word_embeddings = False  # the head no longer shares the embedding's tensor
     model._rlvr_bf16_matmuls = True
+
+
+def matmul_weights_to_fp32(model: Any) -> bool:
+    """Undo `matmul_weights_to_bf16` for a forward without autocast (HF's fp32 sampler): the frozen
+    linear weights back to fp32 (their bf16-rounded values: the fp32 originals are gone) and a head
+    that was tied to the embedding tied to it again (its exact fp32 values). Returns whether there
+    was anything to undo."""
+    if not getattr(model, "_rlvr_bf16_matmuls", False):
+        return False
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        for name in ("weight", "bias"):
+            tensor = getattr(module, name)
+            if tensor is None or tensor.requires_grad or tensor.dtype != torch.bfloat16:
+                continue
+            if hasattr(tensor, "full_tensor"):
+                continue
+            setattr(module, name, torch.nn.Parameter(tensor.detach().float(), requires_grad=False))
+    if getattr(model, "_rlvr_tied_head", False):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+        model.config.tie_word_embeddings = True
+    model._rlvr_bf16_matmuls = False
+    return True
 
 
 def load_tokenizer(path: str) -> Any:

@@ -141,5 +141,7 @@ def merged_linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None] | Non
     weight = base.weight
     for adapter in module.active_adapters:
         if adapter in module.lora_A:
-            weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+            # In fp32 even over a base stored in bf16 (models.matmul_weights_to_bf16): one rounding,
+            # when the caller casts the sum, not one of the delta and one of the sum.
+            weight = weight.float() + module.get_delta_weight(adapter).float()
     return weight, base.bias

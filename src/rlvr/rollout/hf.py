@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol
 import torch
 from transformers import DynamicCache
 
+from rlvr.models import matmul_weights_to_fp32
 from rlvr.rollout.fast_decode import (
     DecodeWeights,
     StaticDecode,
@@ -269,6 +270,12 @@ class HFGenerator:
             # LoRA adapters as one merged matmul per layer while sampling (fastlinear.py); the fast
             # path's copy has them merged already.
             merge = self.merge_lora and self._fast is None
+            if self._fast is None and not self.autocast_bf16 and matmul_weights_to_fp32(self.model):
+                warnings.warn(
+                    "HF's fp32 forward samples: the LoRA policy's frozen base weights, stored in bf16 "
+                    "for the fast path's copy, are fp32 again (their bf16-rounded values)",
+                    stacklevel=4,
+                )
             with merged_lora(self.model) if merge else contextlib.nullcontext():
                 return self._sample(prompts, sampling)
         finally:

@@ -173,6 +173,7 @@ def train(
     )  # fmt: skip
     # Everything that runs beside the loop (a server, Ray actors, threads) is closed however it ends.
     closers: list[Callable[[], None]] = [plan.close]
+    plan.store_frozen_base_bf16()  # LoRA, bf16 update, bf16 sampling copy: the base in bf16
     try:
         # A phase past its deadline ends the process with every stack on disk (observe/watchdog.py).
         watchdog = Watchdog.from_config(

@@ -22,11 +22,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rlvr.build import decode_options, use_bf16
 from rlvr.config import RunConfig
 from rlvr.errors import ConfigError
-from rlvr.models import Policy, eos_token_ids
+from rlvr.models import Policy, eos_token_ids, matmul_weights_to_bf16
 from rlvr.records import Group, Task
+from rlvr.rollout.fast_decode import decline_reason
 from rlvr.rollout.engine import RolloutLimits, rollout_groups
 from rlvr.rollout.generator import Generator, SamplingParams
 from rlvr.rollout.hf import HFGenerator
@@ -201,6 +204,29 @@ class RolloutPlan:
             self.async_.publish(self.policy)
         self._refresh_copy()
         self._refresh_decode_weights()
+
+    def store_frozen_base_bf16(self) -> bool:
+        """A LoRA policy with a bf16 update that samples from the fast path's bf16 copy: store the
+        frozen base's matmul weights in bf16 (`models.matmul_weights_to_bf16`), as the reference
+        copy of full fine-tuning is. Every forward of it then runs under bf16 autocast (the update;
+        the reference, adapters off) or reads the copy (the sampler), which takes the same values:
+        the update is bit-identical (tests/test_lora_bf16_base.py), skips a 270 MB cast per forward
+        and the run holds ~300 MB less (SmolLM2-135M on a Xeon with AMX: LoRA update 3.7 -> 3.4 s,
+        peak RSS 2.7 -> 2.4 GB). Only for the in-process sampler (a server, Ray, async or torchrun
+        sampler loads weights of its own); should HF's fp32 forward be asked of the model later (a
+        hook makes the fast path decline), the generator turns them back to fp32 and warns."""
+        g, cfg = self.generator, self.cfg
+        if not (self.policy.lora and use_bf16(cfg.model)) or not isinstance(g, HFGenerator):
+            return False
+        elsewhere = (self.external, self.ray, self.async_, self.dist, self.copy_model)
+        if any(part is not None for part in elsewhere) or g.autocast_bf16:
+            return False
+        if g.decode != "fast" or g.decode_dtype != torch.bfloat16:
+            return False
+        if decline_reason(self.policy.model) is not None:
+            return False
+        matmul_weights_to_bf16(self.policy.model)
+        return True
 
     def before_update(self) -> None:
         """The rollouts are in: the in-process sampler's bf16 weight copy (269 MB for SmolLM2-135M)

@@ -172,10 +172,10 @@ class RankPlan:
 
 
 def use_fused_logprobs(cfg: RunConfig, bf16: bool) -> bool:
-    """`train.fused_logprobs`, with auto = LoRA runs with an fp32 update only (see its description
-    in config.py); `bf16` is the update's resolved precision (`use_bf16`)."""
+    """`train.fused_logprobs`, with auto = LoRA runs, and full fine-tuning with a bf16 update (see
+    its description in config.py); `bf16` is the update's resolved precision (`use_bf16`)."""
     setting = cfg.train.fused_logprobs
-    return cfg.model.lora.enabled and not bf16 if setting == "auto" else bool(setting)
+    return cfg.model.lora.enabled or bf16 if setting == "auto" else bool(setting)
 
 
 def trains_on(trajectory: Trajectory, cfg: RunConfig) -> bool:
