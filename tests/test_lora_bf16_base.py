@@ -63,9 +63,9 @@ def test_the_bf16_update_is_bit_identical_over_a_bf16_stored_base(lora_policy: A
     assert all("lora_" in n for n in grads)
     for name in grads:
         assert torch.equal(grads[name], grads_s[name]), name
-    with torch.no_grad(), model.disable_adapter(), stored.disable_adapter():  # the reference
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert torch.equal(model(input_ids=IDS).logits, stored(input_ids=IDS).logits)
+    reference = (model.disable_adapter(), stored.disable_adapter())  # adapters off
+    with torch.no_grad(), reference[0], reference[1], torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model(input_ids=IDS).logits, stored(input_ids=IDS).logits)
 
 
 def test_the_sampling_copy_merges_the_adapters_in_fp32(lora_policy: Any) -> None:
@@ -92,9 +92,7 @@ def test_an_fp32_forward_turns_the_base_back_to_fp32(lora_policy: Any) -> None:
     model = lora_policy.model
     tok = lora_policy.tokenizer
     matmul_weights_to_bf16(model)
-    gen = HFGenerator(
-        model, tok, {int(tok.eos_token_id)}, seed=0, decode="hf", autocast_bf16=False
-    )
+    gen = HFGenerator(model, tok, {int(tok.eos_token_id)}, seed=0, decode="hf", autocast_bf16=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = gen.generate([[5, 6, 7, 8]], SamplingParams(n=2, temperature=1.0, max_new_tokens=4))

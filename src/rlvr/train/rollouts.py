@@ -29,8 +29,8 @@ from rlvr.config import RunConfig
 from rlvr.errors import ConfigError
 from rlvr.models import Policy, eos_token_ids, matmul_weights_to_bf16
 from rlvr.records import Group, Task
-from rlvr.rollout.fast_decode import decline_reason
 from rlvr.rollout.engine import RolloutLimits, rollout_groups
+from rlvr.rollout.fast_decode import decline_reason
 from rlvr.rollout.generator import Generator, SamplingParams
 from rlvr.rollout.hf import HFGenerator
 from rlvr.scale.weights import load_trainable_state, trainable_state
