@@ -471,10 +471,10 @@ class TrainConfig(_Section):
         "auto",
         description="Token log-probs and entropies from hidden states a chunk at a time, never "
         "holding the (rows x length x vocab) logits (rlvr.train.fused_logprobs; bf16 matmuls in a "
-        "bf16 update). auto = LoRA runs, and full fine-tuning with a bf16 update: there it holds "
-        "~200-260 MB less at the same full-FT update time (LoRA: ~8% more); in an fp32 full "
-        "fine-tuning the recomputed lm_head matmul costs ~5-10% of the update for little memory "
-        "(measured, docs/performance.md).",
+        "bf16 update). auto = LoRA runs (either precision): ~260 MB less for ~8% more bf16 "
+        "update time. Full fine-tuning: `true` held ~190 MB less at the same bf16 update time "
+        "(its logged update GFLOP/s read ~25% lower, not yet explained); in fp32 the recomputed "
+        "lm_head matmul costs ~5-10% of the update (measured, docs/performance.md).",
     )
     seed: int = 0
     time_limit_minutes: float | None = Field(

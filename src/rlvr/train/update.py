@@ -172,10 +172,11 @@ class RankPlan:
 
 
 def use_fused_logprobs(cfg: RunConfig, bf16: bool) -> bool:
-    """`train.fused_logprobs`, with auto = LoRA runs, and full fine-tuning with a bf16 update (see
-    its description in config.py); `bf16` is the update's resolved precision (`use_bf16`)."""
+    """`train.fused_logprobs`, with auto = LoRA runs in either precision (see its description in
+    config.py); `bf16`, the update's resolved precision (`use_bf16`), no longer changes auto."""
+    del bf16  # kept in the signature: full FT under bf16 may join auto once its FLOP count is read
     setting = cfg.train.fused_logprobs
-    return cfg.model.lora.enabled or bf16 if setting == "auto" else bool(setting)
+    return cfg.model.lora.enabled if setting == "auto" else bool(setting)
 
 
 def trains_on(trajectory: Trajectory, cfg: RunConfig) -> bool:
