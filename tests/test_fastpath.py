@@ -432,12 +432,13 @@ def test_fused_logprobs_auto_means_lora_runs() -> None:
     from rlvr.config import load_config
     from rlvr.train.update import use_fused_logprobs
 
-    full, lora = load_config(None, []), load_config(None, ["model.lora.enabled=true"])
-    assert not use_fused_logprobs(full, bf16=False)  # fp32 full FT: the recomputed head costs
-    assert not use_fused_logprobs(full, bf16=True)  # see config.py
-    assert use_fused_logprobs(lora, bf16=False)
-    assert use_fused_logprobs(lora, bf16=True)
-    for bf16 in (False, True):  # an explicit setting is followed in either precision
-        assert use_fused_logprobs(load_config(None, ["train.fused_logprobs=true"]), bf16=bf16)
-        off = ["model.lora.enabled=true", "train.fused_logprobs=false"]
-        assert not use_fused_logprobs(load_config(None, off), bf16=bf16)
+    assert not use_fused_logprobs(load_config(None, []))  # full FT: see config.py
+    for bf16 in ("on", "off"):  # auto and an explicit setting, in either precision
+        assert use_fused_logprobs(
+            load_config(None, ["model.lora.enabled=true", f"model.bf16={bf16}"])
+        )
+        assert use_fused_logprobs(
+            load_config(None, ["train.fused_logprobs=true", f"model.bf16={bf16}"])
+        )
+        off = ["model.lora.enabled=true", "train.fused_logprobs=false", f"model.bf16={bf16}"]
+        assert not use_fused_logprobs(load_config(None, off))

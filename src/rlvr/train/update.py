@@ -171,10 +171,9 @@ class RankPlan:
         return TrainBatch(*(getattr(batch, f.name).to(device) for f in fields(TrainBatch)))
 
 
-def use_fused_logprobs(cfg: RunConfig, bf16: bool) -> bool:
+def use_fused_logprobs(cfg: RunConfig) -> bool:
     """`train.fused_logprobs`, with auto = LoRA runs in either precision (see its description in
-    config.py); `bf16`, the update's resolved precision (`use_bf16`), no longer changes auto."""
-    del bf16  # kept in the signature: full FT under bf16 may join auto once its FLOP count is read
+    config.py)."""
     setting = cfg.train.fused_logprobs
     return cfg.model.lora.enabled if setting == "auto" else bool(setting)
 
@@ -236,7 +235,7 @@ def policy_update(
         cfg.train.micro_batch_size,
         dist,
         cfg.train.share_prompt_prefix,
-        use_fused_logprobs(cfg, bf16),
+        use_fused_logprobs(cfg),
     )
     device = dist.device if dist is not None else None
     # Under fsdp the list ends with zero-weight padding micro-batches (RankPlan): `real` says which.
@@ -464,7 +463,7 @@ def reference_logprobs(
         cfg.train.micro_batch_size,
         dist,
         cfg.train.share_prompt_prefix,
-        use_fused_logprobs(cfg, bf16),
+        use_fused_logprobs(cfg),
     )
     policy.model.eval()
     with policy.reference(bf16_matmuls=bf16) as ref:
