@@ -9,6 +9,7 @@ knob of a run (each section, its fields and the per-algorithm defaults), so it i
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,6 +71,27 @@ class ModelConfig(_Section):
         "offline stages. Sampling never autocasts (a bf16 sampler is generator.decode: fast with a "
         "bf16 copy).",
     )
+    device: str = Field(
+        "auto",
+        description="Where the policy (and its reference, critic, teacher, reward models) lives: "
+        "auto = cuda:LOCAL_RANK where CUDA is available, else cpu; or cpu, cuda, cuda:N.",
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa",
+        description="transformers' attention kernel for the update and HF's sampler: sdpa (PyTorch's "
+        "fused attention), eager, or flash_attention_2 (needs the flash-attn package and a GPU).",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device_known(cls, value: str) -> str:
+        text = str(value).strip().lower()
+        if text in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", text):
+            return text
+        raise PydanticCustomError(
+            "device", "expected auto, cpu, cuda or cuda:N (N a GPU index), got '{value}'",
+            {"value": value},
+        )
 
 
 Operation = Literal["+", "-", "*"]
@@ -452,6 +474,14 @@ class TrainConfig(_Section):
     adam_betas: tuple[float, float] = (0.9, 0.99)
     max_grad_norm: float = Field(1.0, gt=0.0)
     micro_batch_size: int = Field(8, ge=1, description="Trajectories per forward/backward.")
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Also cap a micro-batch's padded tokens (rows x longest row): rows are packed "
+        "into micro-batches of at most micro_batch_size rows and this many tokens (a row longer "
+        "than the cap goes alone). Bounds activation memory when completion lengths vary; None = "
+        "rows only. The loss is the same either way (normalisers are over the whole batch).",
+    )
     keep_freed_memory: bool = Field(
         True,
         description="Linux/glibc: freed tensor memory stays in the process (no mmap per large "
