@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -199,9 +200,32 @@ def test_the_code_verifier_pays_for_no_code_hack_but_what_the_disk_shows() -> No
     assert report.ok == (not disk_visible)
 
 
+@pytest.fixture
+def tmp_dir() -> Iterator[Path]:
+    """A scratch directory under the system temp dir that an unprivileged uid can traverse (pytest's
+    tmp_path sits under a 0700 per-user base), removed afterwards."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="rlvr-visible-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def world_readable_copy(source: Path, folder: Path) -> Path:
+    """`source` copied into `folder` (which the caller made traversable), readable by every uid."""
+    copy = folder / source.name
+    copy.write_bytes(source.read_bytes())
+    copy.chmod(0o644)
+    return copy
+
+
 @pytest.mark.parametrize("isolation", ["as this host allows", "none (disk visible)"])
 def test_the_disk_oracle_finds_the_bundled_code_env_tasks(
-    isolation: str, monkeypatch: pytest.MonkeyPatch
+    isolation: str, monkeypatch: pytest.MonkeyPatch, tmp_dir: Path
 ) -> None:
     """The same probe on the code env's own tasks (code_tasks.json inside the installed package,
     as issue 17's attacker read it), checked against the reward called directly. Run once more
@@ -213,10 +237,17 @@ def test_the_disk_oracle_finds_the_bundled_code_env_tasks(
     from rlvr.verifiers.redteam import disk_oracle
 
     needs_sandbox()
+    visible_copy = None
     if isolation.startswith("none"):
         monkeypatch.setattr(runner, "capabilities", lambda: dict.fromkeys(runner.LAYERS, False))
         monkeypatch.setenv(runner.UNISOLATED_ENV, "1")
-        assert sandbox_can_read(TASKS_FILE)
+        # Unisolated, the candidate still runs as an unprivileged uid (as root), which cannot read a
+        # checkout under a private (0700) parent. The precondition "the file is visible" is made
+        # here rather than assumed from where the user cloned: a world-readable copy in the working
+        # directory, one of the places the oracle searches (disk_oracle_roots).
+        visible_copy = world_readable_copy(TASKS_FILE, tmp_dir)
+        monkeypatch.chdir(visible_copy.parent)
+        assert sandbox_can_read(visible_copy)
     tasks = [
         Task(
             f"code:{spec['name']}",
@@ -230,7 +261,8 @@ def test_the_disk_oracle_finds_the_bundled_code_env_tasks(
     oracle = next(h for h in report.hacks if h.hack == DISK_ORACLE)
     paid_directly = sum(code_tests(disk_oracle(t), **t.fields) > 0 for t in tasks)
     assert oracle.tried == len(tasks) and oracle.paid == paid_directly
-    assert paid_directly == (len(tasks) if sandbox_can_read(TASKS_FILE) else 0)
+    visible = visible_copy is not None or sandbox_can_read(TASKS_FILE)
+    assert paid_directly == (len(tasks) if visible else 0)
 
 
 def raises_always(completion: str, **_: object) -> float:
