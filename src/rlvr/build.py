@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from rlvr.config import ModelConfig, RewardSpec, RunConfig, bf16_sampling_copy, decode_path
+from rlvr.devices import resolve_device, supports_bf16
 from rlvr.errors import ConfigError
 from rlvr.models import LoraSettings, Policy, eos_token_ids, load_policy
 from rlvr.optim import adamw
@@ -75,16 +76,29 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def bf16_sampler_on(setting: str) -> bool:
+def device_or_cpu(setting: str) -> torch.device:
+    """`model.device` resolved, or the CPU where it cannot be (a config read on a machine without
+    the GPU it names: loading the model says so, in one line)."""
+    try:
+        return resolve_device(setting)
+    except ConfigError:
+        return torch.device("cpu")
+
+
+def bf16_sampler_on(setting: str, device: str = "auto") -> bool:
     """Whether `generator.decode_dtype: auto` samples from a bf16 weight copy under a `model.bf16`
-    setting: `on` yes, `off` no, `auto` where the CPU has native bf16 (`cpu_has_bf16`), or as
-    RLVR_AUTO_BF16=on|off says when set (so a test run on one CPU kind can take the other's path).
-    A fixed rule, not the update's timing (rlvr.train.precision_choice): sampling reads weights, and
-    a bf16 copy halves the bytes on any CPU whose bf16 matmuls are native (docs/performance.md)."""
+    setting: `on` yes, `off` no, `auto` where the device has native bf16 (a CUDA device of compute
+    capability 8.0+, a CPU with avx512_bf16 / AMX: `cpu_has_bf16`), or as RLVR_AUTO_BF16=on|off says
+    when set (so a test run on one CPU kind can take the other's path). A fixed rule, not the
+    update's timing (rlvr.train.precision_choice): sampling reads weights, and a bf16 copy halves
+    the bytes wherever bf16 matmuls are native (docs/performance.md)."""
     if setting != "auto":
         return setting == "on"
     forced = forced_auto_bf16()
-    return cpu_has_bf16() if forced is None else forced
+    if forced is not None:
+        return forced
+    target = device_or_cpu(device)
+    return supports_bf16(target) if target.type == "cuda" else cpu_has_bf16()
 
 
 # `model.bf16: auto` as measured by the RL loop for a model name (rlvr.train.precision_choice).
@@ -96,19 +110,23 @@ def record_auto_bf16(model_name: str, bf16: bool) -> None:
     _MEASURED_AUTO_BF16[model_name] = bf16
 
 
-def bf16_setting_on(setting: str, model_name: str | None = None) -> bool:
-    """Whether a `bf16: auto | on | off` setting means bf16 autocast on this host. `auto` is what was
-    measured for `model_name` in this process when it was, else `native_bf16()`."""
+def bf16_setting_on(setting: str, model_name: str | None = None, device: str = "auto") -> bool:
+    """Whether a `bf16: auto | on | off` setting means bf16 autocast. `auto` is what was measured
+    for `model_name` in this process when it was, else RLVR_AUTO_BF16 when set, else bf16 on a CUDA
+    device with native bf16 (`model.device`), else fp32 (an unmeasured CPU: `native_bf16`)."""
     if setting != "auto":
         return setting == "on"
     if model_name in _MEASURED_AUTO_BF16 and not os.environ.get(AUTO_BF16_ENV, "").strip():
         return _MEASURED_AUTO_BF16[model_name]
-    return native_bf16()
+    if forced_auto_bf16() is not None:
+        return native_bf16()
+    target = device_or_cpu(device)
+    return supports_bf16(target) if target.type == "cuda" else False
 
 
 def use_bf16(cfg: ModelConfig) -> bool:
     """Whether the trainer's matmuls run under bf16 autocast for this model config."""
-    return bf16_setting_on(cfg.bf16, cfg.name)
+    return bf16_setting_on(cfg.bf16, cfg.name, cfg.device)
 
 
 def build_policy(cfg: RunConfig) -> Policy:
@@ -123,6 +141,8 @@ def build_policy(cfg: RunConfig) -> Policy:
         lora=lora,
         need_reference=cfg.objective.beta > 0,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
+        device=cfg.model.device,
+        attn_implementation=cfg.model.attn_implementation,
     )
 
 
@@ -132,9 +152,10 @@ def decode_options(cfg: RunConfig) -> dict[str, Any]:
     CPUs; the update's measured choice does not reach the sampler), so truncated IS and the
     mismatch monitor follow the same answer."""
     g = cfg.generator
-    copy_bf16 = bf16_sampling_copy(g.backend, g.decode, g.decode_dtype, cfg.model.bf16)
+    device = cfg.model.device
+    copy_bf16 = bf16_sampling_copy(g.backend, g.decode, g.decode_dtype, cfg.model.bf16, device)
     return {
-        "decode": decode_path(g.backend, g.decode, g.decode_dtype, cfg.model.bf16),
+        "decode": decode_path(g.backend, g.decode, g.decode_dtype, cfg.model.bf16, device),
         "decode_dtype": torch.bfloat16 if copy_bf16 else torch.float32,
     }
 

@@ -25,7 +25,9 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def bf16_sampling_copy(backend: Any, decode: Any, decode_dtype: Any, bf16: Any) -> bool:
+def bf16_sampling_copy(
+    backend: Any, decode: Any, decode_dtype: Any, bf16: Any, device: Any = "auto"
+) -> bool:
     """Whether the sampler decodes from a bf16 copy of the weights while the trainer scores with its
     own: an in-process generator (`generator.backend: hf`) on rlvr's decode path (`decode: fast`,
     or `auto`) with `decode_dtype: bfloat16`, or `auto` where `rlvr.build.bf16_sampler_on` says so
@@ -35,16 +37,18 @@ def bf16_sampling_copy(backend: Any, decode: Any, decode_dtype: Any, bf16: Any) 
         return False
     from rlvr.build import bf16_sampler_on  # lazily: rlvr.build imports this module
 
-    return decode_dtype == "bfloat16" or bf16_sampler_on(str(bf16))
+    return decode_dtype == "bfloat16" or bf16_sampler_on(str(bf16), str(device))
 
 
-def decode_path(backend: Any, decode: Any, decode_dtype: Any, bf16: Any) -> str:
+def decode_path(
+    backend: Any, decode: Any, decode_dtype: Any, bf16: Any, device: Any = "auto"
+) -> str:
     """`generator.decode` resolved: "fast" or "hf". `auto` takes rlvr's decode path exactly when it
     samples from a bf16 copy (`bf16_sampling_copy`): the copy is what makes it faster (2.1-2.3x
     HF's generate on two native-bf16 CPU kinds, docs/performance.md); in float32 it gains ~5-20%."""
     if decode in ("hf", "fast"):
         return str(decode)
-    return "fast" if bf16_sampling_copy(backend, decode, decode_dtype, bf16) else "hf"
+    return "fast" if bf16_sampling_copy(backend, decode, decode_dtype, bf16, device) else "hf"
 
 
 class LoraConfig(_Section):
@@ -89,7 +93,8 @@ class ModelConfig(_Section):
         if text in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", text):
             return text
         raise PydanticCustomError(
-            "device", "expected auto, cpu, cuda or cuda:N (N a GPU index), got '{value}'",
+            "device",
+            "expected auto, cpu, cuda or cuda:N (N a GPU index), got '{value}'",
             {"value": value},
         )
 
@@ -1010,6 +1015,7 @@ class RunConfig(_Section):
             model.get("bf16", ModelConfig.model_fields["bf16"].default)
             if isinstance(model, dict)
             else None,
+            model.get("device", "auto") if isinstance(model, dict) else "auto",
         )
         if (
             (off_engine or stale or bf16_copy)

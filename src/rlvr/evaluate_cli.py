@@ -32,10 +32,10 @@ def _load_from_run(run_dir: Path) -> tuple[Policy, RunConfig]:
     if (model_dir / "adapter_config.json").exists():
         from peft import PeftModel
 
-        base = load_policy(cfg.model.name)
+        base = load_policy(cfg.model.name, device=cfg.model.device)
         model = PeftModel.from_pretrained(base.model, str(model_dir))
         return Policy(model=model, tokenizer=base.tokenizer, lora=True), cfg
-    policy = load_policy(str(model_dir))
+    policy = load_policy(str(model_dir), device=cfg.model.device)
     policy.tokenizer = load_tokenizer(str(model_dir))
     return policy, cfg
 

@@ -105,11 +105,11 @@ def export_run(
     if is_lora:
         from peft import PeftModel
 
-        base = load_policy(cfg.model.name)
+        base = load_policy(cfg.model.name, device=cfg.model.device)
         peft_model = PeftModel.from_pretrained(base.model, str(model_dir))
         model: Any = peft_model.merge_and_unload() if merge_lora else peft_model
     else:
-        model = load_policy(str(model_dir)).model
+        model = load_policy(str(model_dir), device=cfg.model.device).model
     if dtype is not None:
         import torch
 

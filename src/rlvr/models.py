@@ -30,6 +30,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from rlvr.devices import resolve_device
 from rlvr.errors import ConfigError
 from rlvr.hub import check_hub_model, looks_like_hub_id
 
@@ -289,6 +290,35 @@ def load_tokenizer(path: str) -> Any:
     return tokenizer
 
 
+def load_model_weights(
+    auto_class: Any,
+    path: str,
+    *,
+    device: torch.device | str = "auto",
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """`auto_class.from_pretrained(path)` placed on `device` (`model.device`: auto, cpu, cuda,
+    cuda:N). On a GPU the weights load straight onto it (`device_map`), never through a full host
+    copy; a missing flash-attn package for `flash_attention_2` is a one-line ConfigError."""
+    target = resolve_device(str(device)) if not isinstance(device, torch.device) else device
+    options: dict[str, Any] = {"dtype": dtype, **kwargs}
+    if attn_implementation is not None:
+        if attn_implementation == "flash_attention_2" and (
+            importlib.util.find_spec("flash_attn") is None or target.type != "cuda"
+        ):
+            raise ConfigError(
+                "model.attn_implementation: flash_attention_2 needs the flash-attn package and a "
+                f"CUDA device (device {target}); use sdpa"
+            )
+        options["attn_implementation"] = attn_implementation
+    if target.type != "cpu":
+        options["device_map"] = {"": target}
+    model = auto_class.from_pretrained(path, **options)
+    return model.to(target) if target.type == "cpu" else model
+
+
 def load_policy(
     name: str,
     *,
@@ -296,13 +326,22 @@ def load_policy(
     need_reference: bool = False,
     dtype: torch.dtype = torch.float32,
     gradient_checkpointing: bool = False,
+    device: torch.device | str = "auto",
+    attn_implementation: str | None = None,
 ) -> Policy:
-    """Load a policy by alias, directory or hub id; wrap it with LoRA adapters when asked."""
+    """Load a policy by alias, directory or hub id onto `device` (`model.device`, resolved by
+    rlvr.devices.resolve_device); wrap it with LoRA adapters when asked (created on its device)."""
     path = resolve_model_path(name)
     try:
         AutoConfig.from_pretrained(path)
         tokenizer = load_tokenizer(path)
-        model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model: Any = load_model_weights(
+            AutoModelForCausalLM,
+            path,
+            device=device,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+        )
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"could not load model '{name}': {first_line}") from err

@@ -196,7 +196,7 @@ def _rl_model_dir(run_dir: Path, cfg: RunConfig, stage_dir: Path) -> Path:
 
     merged_dir = stage_dir / "model"
     if not (merged_dir / "config.json").exists():
-        base = load_policy(cfg.model.name)
+        base = load_policy(cfg.model.name, device=cfg.model.device)
         merged = PeftModel.from_pretrained(base.model, str(model_dir)).merge_and_unload()
         merged.save_pretrained(merged_dir)
         base.tokenizer.save_pretrained(merged_dir)
@@ -444,7 +444,7 @@ def evaluate_model(model: str, cfg: RunConfig, config_dir: Path, n: int) -> floa
     cfg = absolutize_reward_files(
         cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": model})}), config_dir
     )
-    policy = load_policy(model)
+    policy = load_policy(model, device=cfg.model.device)
     sources = Sources(cfg, config_dir)
     generator = build_generator(policy, cfg)
     results = evaluate_sources(

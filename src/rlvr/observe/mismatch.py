@@ -71,7 +71,7 @@ def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
         precision, why = c.precision, "monitors.sampler_mismatch.precision"
     elif trainer_bf16:
         precision, why = "bf16", "the trainer runs under bf16 autocast (model.bf16)"
-    elif bf16_sampling_copy(g.backend, g.decode, g.decode_dtype, cfg.model.bf16):
+    elif bf16_sampling_copy(g.backend, g.decode, g.decode_dtype, cfg.model.bf16, cfg.model.device):
         precision = "bf16"
         why = "the sampler decodes from a bf16 copy of the weights (generator.decode_dtype)"
     elif sampler_bf16:

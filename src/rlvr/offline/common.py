@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from rlvr.algorithms.preference import target_logprobs
+from rlvr.devices import device_of
 from rlvr.errors import ConfigError
 from rlvr.models import LoraSettings
 from rlvr.observe.progress import Progress
@@ -159,8 +160,11 @@ def build_optimizer(
 
 
 def forward_logits(model: Any, batch: TokenBatch, bf16: bool) -> torch.Tensor:
-    """Logits (B, T-1, V) at the positions that predict `batch.targets_B_T`."""
-    with autocast_context(bf16):
+    """Logits (B, T-1, V) at the positions that predict `batch.targets_B_T` (the batch moved to
+    the model's device)."""
+    device = device_of(model)
+    batch = batch.to(device)
+    with autocast_context(bf16, device.type):
         out = model(
             input_ids=batch.input_ids_B_T,
             attention_mask=batch.attention_mask,
@@ -171,8 +175,9 @@ def forward_logits(model: Any, batch: TokenBatch, bf16: bool) -> torch.Tensor:
 
 
 def forward_logprobs(model: Any, batch: TokenBatch, bf16: bool) -> torch.Tensor:
-    """Log-probs (B, T-1) of each target token, in fp32."""
-    return target_logprobs(forward_logits(model, batch, bf16), batch.targets_B_T)
+    """Log-probs (B, T-1) of each target token, in fp32, on the model's device."""
+    logits = forward_logits(model, batch, bf16)
+    return target_logprobs(logits, batch.targets_B_T.to(logits.device))
 
 
 def disable_dropout(model: Any) -> None:

@@ -123,6 +123,8 @@ def train_dpo(cfg: DPOConfig, *, rows: Any = None, resume: bool = False) -> Stag
         cfg.model.name,
         lora=lora_settings(cfg),
         gradient_checkpointing=cfg.model.gradient_checkpointing,
+        device=cfg.model.device,
+        attn_implementation=cfg.model.attn_implementation,
     )
     model, tokenizer = policy.model, policy.tokenizer
     disable_dropout(model)
@@ -163,12 +165,12 @@ def train_dpo(cfg: DPOConfig, *, rows: Any = None, resume: bool = False) -> Stag
                 forward_logprobs(model, batch, bf16), batch.loss_mask_B_T, average
             )
             chosen_B, rejected_B = logps_2B[: len(chunk)], logps_2B[len(chunk) :]
-            index = torch.tensor(chunk)
+            index = torch.tensor(chunk, device=ref_chosen_B.device)
             loss, chosen_rewards_B, rejected_rewards_B = dpo_loss(
                 chosen_B,
                 rejected_B,
-                ref_chosen_B[index],
-                ref_rejected_B[index],
+                ref_chosen_B[index].to(chosen_B.device),
+                ref_rejected_B[index].to(chosen_B.device),
                 beta=cfg.beta,
                 loss_type=cfg.loss_type,
                 label_smoothing=cfg.label_smoothing,

@@ -21,8 +21,15 @@ from transformers import AutoModelForSequenceClassification
 
 from rlvr.algorithms.preference import bradley_terry_loss
 from rlvr.build import use_bf16
+from rlvr.devices import device_of
 from rlvr.errors import ConfigError
-from rlvr.models import LoraSettings, add_lora, load_tokenizer, resolve_model_path
+from rlvr.models import (
+    LoraSettings,
+    add_lora,
+    load_model_weights,
+    load_tokenizer,
+    resolve_model_path,
+)
 from rlvr.offline.common import (
     DONE_FILE,
     MODEL_DIR,
@@ -48,14 +55,17 @@ from rlvr.train.batch import autocast_context
 
 
 def build_reward_model(
-    name: str, lora: LoraSettings | None = None, gradient_checkpointing: bool = False
+    name: str,
+    lora: LoraSettings | None = None,
+    gradient_checkpointing: bool = False,
+    device: torch.device | str = "auto",
 ) -> tuple[Any, Any]:
     """(model, tokenizer): a one-output sequence classifier on the causal LM `name`."""
     path = resolve_model_path(name)
     try:
         tokenizer = load_tokenizer(path)
-        model: Any = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32
+        model: Any = load_model_weights(
+            AutoModelForSequenceClassification, path, device=device, num_labels=1
         )
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -78,7 +88,9 @@ def sequence_scores(model: Any, batch: Any, bf16: bool = False) -> torch.Tensor:
     head = getattr(base, "score", None)
     if head is None:
         raise ConfigError(f"{type(base).__name__} has no 'score' head; not a reward model")
-    with autocast_context(bf16):
+    device = device_of(model)
+    batch = batch.to(device)
+    with autocast_context(bf16, device.type):
         hidden_B_T_H = backbone(
             input_ids=batch.input_ids_B_T,
             attention_mask=batch.attention_mask,
@@ -86,7 +98,7 @@ def sequence_scores(model: Any, batch: Any, bf16: bool = False) -> torch.Tensor:
             use_cache=False,
         ).last_hidden_state
     last_B = batch.attention_mask.sum(dim=1) - 1
-    pooled_B_H = hidden_B_T_H[torch.arange(hidden_B_T_H.shape[0]), last_B]
+    pooled_B_H = hidden_B_T_H[torch.arange(hidden_B_T_H.shape[0], device=device), last_B]
     return head(pooled_B_H.float()).squeeze(-1).float()
 
 
@@ -102,7 +114,7 @@ def train_reward_model(
     if done is not None:
         return done
     model, tokenizer = build_reward_model(
-        cfg.model.name, lora_settings(cfg), cfg.model.gradient_checkpointing
+        cfg.model.name, lora_settings(cfg), cfg.model.gradient_checkpointing, cfg.model.device
     )
     train = cfg.train
 
@@ -128,7 +140,11 @@ def train_reward_model(
             chunk_pairs = [split[i] for i in chunk]
             scores_2B = sequence_scores(model, collate_pairs(chunk_pairs, pad_id), bf16)
             chosen_B, rejected_B = scores_2B[: len(chunk)], scores_2B[len(chunk) :]
-            margin_B = torch.tensor([p.margin for p in chunk_pairs]) if cfg.margin_key else None
+            margin_B = (
+                torch.tensor([p.margin for p in chunk_pairs], device=chosen_B.device)
+                if cfg.margin_key
+                else None
+            )
             loss = bradley_terry_loss(chosen_B, rejected_B, margin_B)
             share = len(chunk) / len(indices)  # the step's loss is the mean over all its pairs
             if backward:
@@ -197,9 +213,14 @@ class RewardScorer:
 
 
 def load_reward_model(
-    path: str | Path, *, max_length: int = 1024, bf16: bool = False
+    path: str | Path,
+    *,
+    max_length: int = 1024,
+    bf16: bool = False,
+    device: torch.device | str = "auto",
 ) -> RewardScorer:
-    """A `RewardScorer` from a reward model directory, or a finished stage's OUTPUT_DIR."""
+    """A `RewardScorer` from a reward model directory, or a finished stage's OUTPUT_DIR, on `device`
+    (auto: the GPU where there is one, as a run's `model.device: auto`)."""
     directory = Path(path)
     if (directory / DONE_FILE).is_file() and (directory / MODEL_DIR).is_dir():
         directory = directory / MODEL_DIR
@@ -207,8 +228,8 @@ def load_reward_model(
         raise ConfigError(f"reward model '{path}' is not a model directory (no config.json)")
     tokenizer = load_tokenizer(str(directory))
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            str(directory), dtype=torch.float32
+        model = load_model_weights(
+            AutoModelForSequenceClassification, str(directory), device=device
         )
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -44,6 +44,8 @@ def train_sft(cfg: SFTConfig, *, rows: Any = None, resume: bool = False) -> Stag
         cfg.model.name,
         lora=lora_settings(cfg),
         gradient_checkpointing=cfg.model.gradient_checkpointing,
+        device=cfg.model.device,
+        attn_implementation=cfg.model.attn_implementation,
     )
     model, tokenizer = policy.model, policy.tokenizer
     train = cfg.train

@@ -135,7 +135,9 @@ def load_training_state(
 def load_data(path: Path) -> Any:
     """`torch.load` of a run file that may hold tensors and plain containers only (never code)."""
     try:
-        return torch.load(path, weights_only=True)
+        # On the host: the optimizer, critic and RNG loaders move what they need to its device
+        # (a run saved on cuda:1 resumes on a machine with one GPU, or none).
+        return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else "not plain data"
         raise ConfigError(

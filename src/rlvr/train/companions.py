@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from rlvr.config import RunConfig
+from rlvr.devices import device_of
 from rlvr.errors import ConfigError
 from rlvr.models import LoraSettings, Policy, load_policy
 from rlvr.optim import adamw
@@ -23,7 +24,7 @@ from rlvr.train.update import micro_batches, per_token_scores, trains_on
 class RunCritic:
     """PPO's value model with its own optimizer: values before the update, one fit per iteration."""
 
-    def __init__(self, cfg: RunConfig, pad_token_id: int) -> None:
+    def __init__(self, cfg: RunConfig, pad_token_id: int, device: torch.device) -> None:
         c = cfg.critic
         lora = None
         if c.lora.enabled:
@@ -34,7 +35,13 @@ class RunCritic:
                 target_modules=c.lora.target_modules,
             )
         self.cfg = cfg
-        self.model: ValueModel = build_critic(c.model or cfg.model.name, lora, torch.float32)
+        self.model: ValueModel = build_critic(
+            c.model or cfg.model.name,
+            lora,
+            torch.float32,
+            gradient_checkpointing=cfg.model.gradient_checkpointing,
+            device=device,
+        )
         params = self.model.trainable_parameters()
         self.optimizer = adamw(
             params,
@@ -104,7 +111,7 @@ def build_teacher(cfg: RunConfig, policy: Policy) -> Any:
     """The frozen teacher of `algorithm: distill`; its vocabulary must be the student's (the KL
     compares the two next-token distributions id by id)."""
     assert cfg.distill.teacher is not None
-    loaded = load_policy(cfg.distill.teacher)
+    loaded = load_policy(cfg.distill.teacher, device=device_of(policy.model))
     teacher = loaded.model.eval()
     teacher.requires_grad_(False)
     student_vocab = policy.model.get_output_embeddings().weight.shape[0]

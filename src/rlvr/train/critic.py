@@ -31,7 +31,8 @@ from transformers import AutoModel
 
 from rlvr.algorithms.gae import value_loss
 from rlvr.algorithms.losses import aggregate
-from rlvr.models import LoraSettings, add_lora, resolve_model_path
+from rlvr.devices import device_of
+from rlvr.models import LoraSettings, add_lora, load_model_weights, resolve_model_path
 from rlvr.train.batch import TrainBatch, autocast_context
 
 WEIGHTS_FILE = "critic.safetensors"
@@ -52,7 +53,7 @@ class ValueModel(torch.nn.Module):
         super().__init__()
         self.backbone = backbone
         # fp32 whatever the backbone's dtype: the values are regression outputs on the reward scale.
-        self.head = torch.nn.Linear(hidden_size, 1, dtype=torch.float32)
+        self.head = torch.nn.Linear(hidden_size, 1, dtype=torch.float32, device=device_of(backbone))
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
         self.base_path = base_path
@@ -121,13 +122,14 @@ def build_critic(
     dtype: torch.dtype = torch.float32,
     *,
     gradient_checkpointing: bool = False,
+    device: torch.device | str = "auto",
 ) -> ValueModel:
     """A critic from a causal-LM directory, hub id or rlvr alias (the lm_head is not loaded).
 
     With `lora` the backbone is frozen and gets adapters (peft); the head is always trainable.
     """
     path = resolve_model_path(model_path)
-    backbone: Any = AutoModel.from_pretrained(path, dtype=dtype)
+    backbone: Any = load_model_weights(AutoModel, path, device=device, dtype=dtype)
     if gradient_checkpointing:
         backbone.activation_checkpointing_enable()
         backbone.config.use_cache = False
@@ -138,11 +140,11 @@ def build_critic(
     return ValueModel(backbone, int(backbone.config.hidden_size), base_path=model_path, lora=lora)
 
 
-def load_critic(directory: str | Path) -> ValueModel:
-    """Rebuild a critic from its critic.json and load its saved parameters."""
+def load_critic(directory: str | Path, device: torch.device | str = "auto") -> ValueModel:
+    """Rebuild a critic from its critic.json (on `device`) and load its saved parameters."""
     meta = json.loads((Path(directory) / CONFIG_FILE).read_text())
     lora = LoraSettings(**meta["lora"]) if meta["lora"] is not None else None
-    critic = build_critic(meta["base"], lora, getattr(torch, meta["dtype"]))
+    critic = build_critic(meta["base"], lora, getattr(torch, meta["dtype"]), device=device)
     critic.load_into(directory)
     return critic
 

@@ -49,6 +49,7 @@ from rlvr.algorithms import ALGORITHMS
 from rlvr.allocator import keep_freed_memory
 from rlvr.build import build_optimizer, build_policy, rollout_limits, use_bf16
 from rlvr.config import RunConfig, config_to_dict, load_config
+from rlvr.devices import describe, device_of, enable_tf32, resolve_device
 from rlvr.errors import ConfigError
 from rlvr.evaluate import check_error_fraction, check_eval_errors, evaluate_sources
 from rlvr.models import Policy, load_policy
@@ -134,8 +135,8 @@ def train(
     if main_rank:
         require_trackers(cfg.tracking.trackers)  # a missing tracker library, before the model loads
     seed_everything(cfg.train.seed)
-    if cfg.train.keep_freed_memory:
-        keep_freed_memory()  # for the rest of the process (rlvr.allocator)
+    if cfg.train.keep_freed_memory and resolve_device(cfg.model.device).type == "cpu":
+        keep_freed_memory()  # for the rest of the process (rlvr.allocator): a CPU tuning
 
     # Under torchrun: this process is one rank; rank 0 alone writes metrics and checkpoints.
     dist = torch_dist_context(cfg)
@@ -144,6 +145,8 @@ def train(
     sources = Sources(cfg, config_dir, tasks)
     curriculum = Curriculum(cfg, sources, tasks)  # levels / scheduled weights (train/curriculum.py)
     policy = build_policy(cfg)
+    device = device_of(policy.model)
+    enable_tf32(device)  # the fp32 matmuls left on a GPU (a no-op on the CPU)
     # `model.bf16: auto`: the update's precision measured on this host (train/precision_choice.py)
     precision = precision_choice.PrecisionChoice(
         use_bf16(cfg.model), f"model.bf16: {cfg.model.bf16}"
@@ -192,7 +195,11 @@ def train(
         is_main = dist is None or dist.is_main
         spec = ALGORITHMS[cfg.algorithm]
         # ppo's value model and distill's teacher: built only for the algorithms that use them.
-        critic = RunCritic(cfg, int(tokenizer.pad_token_id)) if spec.needs_critic else None
+        critic = (
+            RunCritic(cfg, int(tokenizer.pad_token_id), device_of(policy.model))
+            if spec.needs_critic
+            else None
+        )
         teacher = build_teacher(cfg, policy) if spec.needs_teacher else None
         metrics_of = {s.metric for s in sources}
         monitors = Monitors(
@@ -247,6 +254,7 @@ def train(
             total=cfg.train.steps, start=start_step, enabled=cfg.tracking.progress and is_main
         )
         closers.append(progress.close)
+        progress.note(escape(placement_line(cfg, policy, device, generator)))
         progress.note(escape(precision.describe()))
         if resume and is_main:
             progress.console.print(
@@ -478,6 +486,26 @@ def act_on_alert(
     return cfg, f"{alert.name}: {alert.message}" if alert.action == "stop" else None
 
 
+def placement_line(cfg: RunConfig, policy: Policy, device: torch.device, generator: Any) -> str:
+    """The run's first line: where the model is, its weights' dtype, and what samples."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in policy.model.parameters()})
+    trainable = sum(p.numel() for p in policy.trainable_parameters())
+    total = sum(p.numel() for p in policy.model.parameters())
+    what = "LoRA adapters" if policy.lora else "all weights"
+    line = (
+        f"model {cfg.model.name} on {describe(device)}: weights {'/'.join(dtypes)}, "
+        f"training {what} ({trainable / 1e6:.1f}M of {total / 1e6:.1f}M parameters)"
+    )
+    decode = getattr(generator, "decode", None)
+    if decode is not None:
+        dtype = str(getattr(generator, "decode_dtype", "")).removeprefix("torch.")
+        line += f"; sampler: {'rlvr decode' if decode == 'fast' else 'HF forward'}"
+        line += f" ({dtype} weight copy)" if decode == "fast" else ""
+    elif cfg.generator.backend == "server":
+        line += "; sampler: a server (generator.url / launch)"
+    return line
+
+
 def ensure_reference(policy: Policy, cfg: RunConfig) -> None:
     """Give a full fine-tuning run a reference once beta > 0 (a mitigation raised it from 0): the
     base model, frozen, which is what a run started with that beta would have (so a resume matches).
@@ -485,7 +513,8 @@ def ensure_reference(policy: Policy, cfg: RunConfig) -> None:
     if cfg.objective.beta > 0 and not policy.lora and policy._reference is None:
         # Loading must not move the run's RNG: a resumed run loads it at another moment.
         with torch.random.fork_rng(devices=[]):
-            policy._reference = load_policy(cfg.model.name).model.eval().requires_grad_(False)
+            reference = load_policy(cfg.model.name, device=device_of(policy.model)).model
+            policy._reference = reference.eval().requires_grad_(False)
 
 
 def train_from_file(path: str, overrides: list[str] | None = None) -> RunSummary:

@@ -1,5 +1,9 @@
 """`model.bf16: auto` for the policy update: bf16 autocast where this host runs it faster, measured.
 
+On a CUDA device nothing is measured: `auto` is bf16 autocast where the GPU has native bf16 (compute
+capability 8.0+), fp32 (with TF32 matmuls, rlvr.devices.enable_tf32) elsewhere. The rest of this
+docstring is about CPUs.
+
 Whether bf16 pays depends on the CPU, not on a flag: on AVX2-only CPUs bf16 matmuls run ~8x slower
 than fp32; on a 2-core AMD EPYC (Zen 4) with avx512_bf16 they run 2.2-2.5x faster at SmolLM2's update
 shapes; on an Intel Xeon with avx512_bf16 autocast made the update slower (issue 18). So on a CPU
@@ -35,6 +39,7 @@ from typing import Any
 import torch
 
 from rlvr import build
+from rlvr.devices import device_of, supports_bf16
 
 # bf16 must run the calibration step at most this fraction of fp32's time to be chosen: a margin
 # for timing noise on shared machines, so a tie never switches a run to the less exact precision.
@@ -154,11 +159,18 @@ def choose(
     forced = os.environ.get(build.AUTO_BF16_ENV, "").strip()
     if forced:
         return PrecisionChoice(build.native_bf16(), f"{build.AUTO_BF16_ENV}={forced}")
+    device = device_of(model)
+    if device.type == "cuda":
+        # No timing on a GPU: bf16 tensor-core matmuls are several times fp32's (even TF32's) on
+        # every NVIDIA GPU that has them (compute capability 8.0+, Ampere on); older GPUs get fp32
+        # with TF32 off (they have no TF32 either).
+        if supports_bf16(device):
+            return PrecisionChoice(True, f"{device} has native bf16 (compute capability 8.0+)")
+        return PrecisionChoice(False, f"{device} has no native bf16 (compute capability < 8.0)")
+    if device.type != "cpu":
+        return PrecisionChoice(False, f"auto measures CPUs and CUDA devices only ({device.type})")
     if not build.cpu_has_bf16():
         return PrecisionChoice(False, "this CPU has no native bf16 (avx512_bf16 / amx_bf16)")
-    device = next(iter(model.parameters())).device
-    if device.type != "cpu":
-        return PrecisionChoice(False, f"auto measures CPUs only (model on {device.type})")
     if distributed:
         # Every rank would time its own share of the machine and might decide differently.
         return PrecisionChoice(False, "not measured under torchrun (set model.bf16 to choose)")

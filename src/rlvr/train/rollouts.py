@@ -26,6 +26,7 @@ import torch
 
 from rlvr.build import decode_options, use_bf16
 from rlvr.config import RunConfig
+from rlvr.devices import device_of
 from rlvr.errors import ConfigError
 from rlvr.models import Policy, eos_token_ids, matmul_weights_to_bf16
 from rlvr.records import Group, Task
@@ -120,6 +121,10 @@ class RolloutPlan:
             eos_token_ids(model, self.policy.tokenizer),
             seed=seed,
             autocast_bf16=False,  # a bf16 sampler is the fast path's weight copy (rlvr.build)
+            # LoRA merged into a temporary fp32 weight per layer while sampling: a CPU tuning (one
+            # matmul instead of three); on a GPU it would hold fp32 copies of every adapted weight
+            # (~26 GB for a 7B model), so peft's own adapter path samples there.
+            merge_lora=device_of(model).type == "cpu",
             turn_cache=self.cfg.generator.turn_cache,
             turn_cache_mb=self.cfg.generator.turn_cache_mb,
             **decode_options(self.cfg),
