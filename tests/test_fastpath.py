@@ -358,6 +358,47 @@ def test_fused_linear_logprobs_in_bf16_by_hand() -> None:
     torch.testing.assert_close(g_weight.double(), bf16(grad_z.t() @ h64), rtol=ulp, atol=1e-6)
 
 
+def test_fused_bf16_backward_in_blocks_never_holds_every_position() -> None:
+    """Past one backward block (issue 34: never an (N, V) buffer) the bf16 head's weight gradient is
+    each block's bf16 product summed in fp32, and the hidden gradient is unchanged: checked by hand
+    against float64 with each block's rounding, and against the one-block result within bf16 ulps
+    of the largest value."""
+    from rlvr.train import fused_logprobs as fl
+
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randint(-2, 3, (7, 5), generator=gen).float().requires_grad_()
+    weight = torch.randint(-2, 3, (11, 5), generator=gen).float().requires_grad_()
+    targets = torch.randint(0, 11, (7,), generator=gen)
+    g_logp, g_ent = torch.randn(7, generator=gen), torch.randn(7, generator=gen)
+
+    def grads(block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with fl.fused_logprobs_chunk_rows(3), fl.fused_backward_block_rows(block):
+            logp, ent = fl.LinearTokenLogprobs.apply(hidden, weight, targets, 4.0, torch.bfloat16)
+            g_h, g_w = torch.autograd.grad((logp * g_logp + ent * g_ent).sum(), (hidden, weight))
+        return g_h, g_w
+
+    one_h, one_w = grads(1024)
+    blocked_h, blocked_w = grads(3)  # blocks of 3, 3 and 1 positions
+    assert torch.equal(blocked_h, one_h)
+    assert blocked_w.dtype == torch.float32
+    # Rounding each block's part instead of the sum: off by bf16 ulps of the parts, which can be
+    # larger than the sum (cancellation), so the bound is relative to the largest value.
+    torch.testing.assert_close(blocked_w, one_w, rtol=0, atol=2.0**-6 * float(one_w.abs().max()))
+
+    h64, w64 = hidden.detach().bfloat16().double(), weight.detach().bfloat16().double()
+    z_leaf = ((h64 @ w64.t()) / 4.0).requires_grad_()
+    dist = torch.log_softmax(z_leaf, dim=-1)
+    loss = (dist.gather(1, targets[:, None]).squeeze(1) * g_logp.double()).sum() + (
+        -(dist.exp() * dist).sum(-1) * g_ent.double()
+    ).sum()
+    (grad_z,) = torch.autograd.grad(loss, (z_leaf,))
+    grad_z = (grad_z / 4.0).bfloat16().double()
+    by_hand = sum(
+        (grad_z[s : s + 3].t() @ h64[s : s + 3]).bfloat16().double() for s in range(0, 7, 3)
+    )
+    torch.testing.assert_close(blocked_w.double(), by_hand, rtol=2.0**-8, atol=1e-6)
+
+
 # Tolerances per precision, (value atol, gradient relative). fp32: float rounding. bf16 (the
 # trainer's autocast update): both heads round the same products to bf16 (5e-7 apart on the Xeon
 # where this was written); the bound leaves room for a CPU kind whose bf16 kernels sum in another

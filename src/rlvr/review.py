@@ -38,6 +38,7 @@ from rich.table import Table
 from rlvr.algorithms.losses import kl_k1, kl_k3
 from rlvr.build import build_generator, rollout_limits
 from rlvr.config import RunConfig
+from rlvr.devices import device_of
 from rlvr.errors import ConfigError
 from rlvr.evaluate import evaluate_sources
 from rlvr.evaluate_cli import is_run_dir, load_model, with_task
@@ -107,6 +108,7 @@ def kl_estimate(
     for start in range(0, len(trajectories), micro_batch):
         chunk = trajectories[start : start + micro_batch]
         batch = collate(chunk, [[0.0] * len(t.completion_ids) for t in chunk], pad_token_id)
+        batch = batch.to(device_of(model))
         logprobs_B_C, _ = token_logprobs(model, batch)
         base_logprobs_B_C, _ = token_logprobs(baseline, batch)
         mask_B_C = batch.mask_B_C

@@ -17,7 +17,6 @@ has the measurements): fp32 on both sides agrees to ~4e-6 per token, bf16 on eit
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -150,10 +149,7 @@ def canary_gap(generator: Any, policy: Any, *, bf16: bool) -> float:
         return float("nan")
     batch = collate(rows, _zeros(rows), int(policy.tokenizer.pad_token_id))
     model = policy.model
-    device = next(model.parameters()).device
-    batch = dataclasses.replace(
-        batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)}
-    )
+    batch = batch.to(next(model.parameters()).device)
     training = model.training
     model.eval()
     try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -50,6 +50,15 @@ class TrainBatch:
     @property
     def completion_width(self) -> int:
         return int(self.completion_ids_B_C.shape[1])
+
+    def to(self, device: torch.device) -> TrainBatch:
+        """The batch on `device`: `collate` writes rows into host tensors (cheap there, a copy per
+        row on a GPU), then each tensor crosses once."""
+        if self.completion_ids_B_C.device == device:
+            return self
+        return TrainBatch(
+            *(getattr(self, f.name).to(device, non_blocking=True) for f in fields(TrainBatch))
+        )
 
 
 def collate(

@@ -54,7 +54,13 @@ class RunCritic:
     def token_values(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
         """V(s_t) for every completion token of every trajectory (no gradient)."""
         self.model.eval()
-        return per_token_scores(self.model.values, trajectories, self.cfg, self.pad_token_id)
+        return per_token_scores(
+            self.model.values,
+            trajectories,
+            self.cfg,
+            self.pad_token_id,
+            device=device_of(self.model),
+        )
 
     def update(self, trajectories: Sequence[Trajectory], credit: Credit) -> dict[str, float]:
         """num_iterations optimizer steps of the clipped value loss towards `credit.returns`."""
@@ -62,7 +68,13 @@ class RunCritic:
         rows = [i for i, t in enumerate(trajectories) if trains_on(t, self.cfg)]
         if not rows:
             return {}
-        chunks = micro_batches(trajectories, rows, self.cfg.train.micro_batch_size)
+        chunks = micro_batches(
+            trajectories,
+            rows,
+            self.cfg.train.micro_batch_size,
+            self.cfg.train.max_tokens_per_micro_batch,
+        )
+        device = device_of(self.model)
         batches: list[TrainBatch] = []
         returns: list[torch.Tensor] = []
         old_values: list[torch.Tensor] = []
@@ -71,7 +83,7 @@ class RunCritic:
                 [trajectories[i] for i in chunk],
                 [credit.returns[i] for i in chunk],
                 self.pad_token_id,
-            )
+            ).to(device)
             batches.append(batch)
             returns.append(batch.advantages_B_C)  # collate pads a per-token list: here, returns
             old_values.append(
@@ -79,7 +91,7 @@ class RunCritic:
                     [trajectories[i] for i in chunk],
                     [credit.old_values[i] for i in chunk],
                     self.pad_token_id,
-                ).advantages_B_C
+                ).advantages_B_C.to(device)
             )
         total_tokens = float(sum(trajectories[i].num_policy_tokens for i in rows))
         self.model.train()

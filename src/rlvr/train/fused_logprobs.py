@@ -17,9 +17,12 @@ linear cross-entropy, written for log-probs + entropy rather than a loss.
 
 In bf16 (`compute_dtype`, the trainer's bf16 update) the lm_head matmuls take bf16 inputs and their
 logits are read back as fp32, as under bf16 autocast; the softmax work stays fp32. The backward keeps
-the (N, V) logit gradients in bf16 (what autocast's backward of the head would take as its input) and
-runs the two head matmuls once over all N positions, so the weight gradient is rounded to bf16 once,
-as autocast's is, and then accumulated into the fp32 weight's gradient.
+the logit gradients of a block of up to `_BACKWARD_BLOCK_ROWS` positions in bf16 (what autocast's
+backward of the head would take as its input) and runs the two head matmuls once per block. Up to one
+block (1024 positions: 8 rows of 128 tokens) the weight gradient is rounded to bf16 once, as
+autocast's is, bit for bit; past it each block's bf16 weight gradient is summed in fp32, so memory
+stays bounded at (block, V) however many positions a micro-batch has (8 rows x 4k tokens of a 152k
+vocabulary would be a 10 GB (N, V) buffer).
 """
 
 from __future__ import annotations
@@ -31,6 +34,20 @@ from typing import Any
 import torch
 
 _CHUNK_ROWS = [128]  # positions per chunk: a 128 x 49k fp32 block is 25 MB (256: ~15% slower here)
+# bf16 backward: positions whose bf16 logit gradients are kept for one pair of head matmuls
+# (1024 x 152k ids = 311 MB); a multiple of _CHUNK_ROWS is used.
+_BACKWARD_BLOCK_ROWS = [1024]
+
+
+@contextlib.contextmanager
+def fused_backward_block_rows(rows: int) -> Iterator[None]:
+    """Use bf16 backward blocks of `rows` positions inside the block (tests cross block edges)."""
+    before = _BACKWARD_BLOCK_ROWS[0]
+    _BACKWARD_BLOCK_ROWS[0] = rows
+    try:
+        yield
+    finally:
+        _BACKWARD_BLOCK_ROWS[0] = before
 
 
 @contextlib.contextmanager
@@ -100,12 +117,17 @@ class LinearTokenLogprobs(torch.autograd.Function):
                 None,
             )
         # fp32: each chunk's head gradients are accumulated as the chunk is done (no (N, V) buffer);
-        # bf16: the chunks' logit gradients are kept, rounded to bf16, for one matmul per head input.
+        # bf16: a block's logit gradients are kept, rounded to bf16, for one matmul per head input.
         low = compute_dtype != torch.float32
         n, rows = hidden_N_H.shape[0], ctx.rows
-        grad_z_N_V = weight_c_V_H.new_empty(n, weight_V_H.shape[0]) if low else None
+        block = max(rows, _BACKWARD_BLOCK_ROWS[0] // rows * rows)
+        grad_z_K_V = weight_c_V_H.new_empty(min(n, block), weight_V_H.shape[0]) if low else None
         grad_hidden = torch.zeros_like(hidden_N_H) if want_hidden and not low else None
-        grad_weight = torch.zeros_like(weight_V_H) if want_weight and not low else None
+        if want_hidden and low:
+            grad_hidden = torch.empty_like(hidden_N_H)
+        grad_weight = (
+            torch.zeros_like(weight_V_H) if want_weight and (not low or n > block) else None
+        )
         buffers = _ChunkBuffers(min(n, rows), weight_c_V_H)
         for s in range(0, n, rows):
             e = min(n, s + rows)
@@ -126,19 +148,47 @@ class LinearTokenLogprobs(torch.autograd.Function):
                 grad_z_r_V.scatter_add_(1, targets_N[s:e, None], grad_logp_N[s:e, None])
             if temperature != 1.0:
                 grad_z_r_V.div_(temperature)
-            if grad_z_N_V is not None:
-                grad_z_N_V[s:e] = grad_z_r_V
+            if grad_z_K_V is not None:
+                start = s - s % block  # the block this chunk belongs to
+                grad_z_K_V[s - start : e - start] = grad_z_r_V
+                if e - start == block or e == n:
+                    grad_weight = _bf16_block_grads(
+                        grad_z_K_V[: e - start],
+                        weight_c_V_H,
+                        hidden_N_H[start:e],
+                        grad_hidden[start:e] if grad_hidden is not None else None,
+                        grad_weight,
+                        want_weight,
+                    )
                 continue
             if grad_hidden is not None:
                 torch.mm(grad_z_r_V, weight_V_H, out=grad_hidden[s:e])
             if grad_weight is not None:
                 grad_weight.addmm_(grad_z_r_V.t(), h_r_H)  # in place: no (V, H) temporary
-        if grad_z_N_V is not None:  # both operands are bf16 here: autocast has nothing to change
-            if want_hidden:
-                grad_hidden = (grad_z_N_V @ weight_c_V_H).to(hidden_N_H.dtype)
-            if want_weight:
-                grad_weight = (grad_z_N_V.t() @ hidden_N_H.to(compute_dtype)).to(weight_V_H.dtype)
+        if grad_weight is not None and grad_weight.dtype != weight_V_H.dtype:
+            grad_weight = grad_weight.to(weight_V_H.dtype)
         return grad_hidden, grad_weight, None, None, None
+
+
+def _bf16_block_grads(
+    grad_z_K_V: torch.Tensor,
+    weight_c_V_H: torch.Tensor,
+    hidden_K_H: torch.Tensor,
+    grad_hidden_K_H: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+    want_weight: bool,
+) -> torch.Tensor | None:
+    """One bf16 block of the head's backward: the hidden states' gradient written in place, the
+    weight's returned (the block's own bf16 product when it is the only block, else added in fp32
+    to `grad_weight`). Both matmul operands are bf16: autocast has nothing to change."""
+    if grad_hidden_K_H is not None:
+        grad_hidden_K_H.copy_(grad_z_K_V @ weight_c_V_H)
+    if not want_weight:
+        return grad_weight
+    part_V_H = grad_z_K_V.t() @ hidden_K_H.to(grad_z_K_V.dtype)
+    if grad_weight is None:  # a single block: rounded to bf16 once, as autocast's gradient is
+        return part_V_H
+    return grad_weight.add_(part_V_H)
 
 
 class _ChunkBuffers:

@@ -49,7 +49,7 @@ from rlvr.algorithms import ALGORITHMS
 from rlvr.allocator import keep_freed_memory
 from rlvr.build import build_optimizer, build_policy, rollout_limits, use_bf16
 from rlvr.config import RunConfig, config_to_dict, load_config
-from rlvr.devices import describe, device_of, enable_tf32, resolve_device
+from rlvr.devices import device_of, enable_tf32, resolve_device
 from rlvr.errors import ConfigError
 from rlvr.evaluate import check_error_fraction, check_eval_errors, evaluate_sources
 from rlvr.models import Policy, load_policy
@@ -79,6 +79,7 @@ from rlvr.train.checkpoint import (
 )
 from rlvr.train.companions import RunCritic, build_teacher
 from rlvr.train.curriculum import Curriculum
+from rlvr.train.placement import startup_lines
 from rlvr.train.rollouts import RolloutPlan, torch_dist_context
 from rlvr.train.run_dir import StopSignals, check_run_dir, eval_history, open_run_dir
 from rlvr.train.selection import assign_credit, collect_groups
@@ -254,7 +255,8 @@ def train(
             total=cfg.train.steps, start=start_step, enabled=cfg.tracking.progress and is_main
         )
         closers.append(progress.close)
-        progress.note(escape(placement_line(cfg, policy, device, generator)))
+        for line in startup_lines(cfg, policy, device, generator):
+            progress.note(escape(line))
         progress.note(escape(precision.describe()))
         if resume and is_main:
             progress.console.print(
@@ -484,26 +486,6 @@ def act_on_alert(
         ensure_reference(policy, cfg)
     log_alert(alert, tracker, progress, changes)
     return cfg, f"{alert.name}: {alert.message}" if alert.action == "stop" else None
-
-
-def placement_line(cfg: RunConfig, policy: Policy, device: torch.device, generator: Any) -> str:
-    """The run's first line: where the model is, its weights' dtype, and what samples."""
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in policy.model.parameters()})
-    trainable = sum(p.numel() for p in policy.trainable_parameters())
-    total = sum(p.numel() for p in policy.model.parameters())
-    what = "LoRA adapters" if policy.lora else "all weights"
-    line = (
-        f"model {cfg.model.name} on {describe(device)}: weights {'/'.join(dtypes)}, "
-        f"training {what} ({trainable / 1e6:.1f}M of {total / 1e6:.1f}M parameters)"
-    )
-    decode = getattr(generator, "decode", None)
-    if decode is not None:
-        dtype = str(getattr(generator, "decode_dtype", "")).removeprefix("torch.")
-        line += f"; sampler: {'rlvr decode' if decode == 'fast' else 'HF forward'}"
-        line += f" ({dtype} weight copy)" if decode == "fast" else ""
-    elif cfg.generator.backend == "server":
-        line += "; sampler: a server (generator.url / launch)"
-    return line
 
 
 def ensure_reference(policy: Policy, cfg: RunConfig) -> None:

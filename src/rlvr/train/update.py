@@ -13,7 +13,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from rlvr.algorithms import (
 )
 from rlvr.build import use_bf16
 from rlvr.config import RunConfig
+from rlvr.devices import device_of
 from rlvr.models import Policy
 from rlvr.observe.flops import backward_flops, forward_flops, linear_weights
 from rlvr.records import Trajectory
@@ -43,12 +44,33 @@ from rlvr.train.batch import (
 
 
 def micro_batches(
-    trajectories: Sequence[Trajectory], indices: Sequence[int], size: int
+    trajectories: Sequence[Trajectory],
+    indices: Sequence[int],
+    size: int,
+    max_tokens: int | None = None,
 ) -> list[list[int]]:
-    """Split `indices` into micro-batches of `size`: rows of one prompt together (its forward pass is
-    shared), similar lengths together (less padding)."""
+    """Split `indices` into micro-batches of at most `size` rows: rows of one prompt together (its
+    forward pass is shared), similar lengths together (less padding). With `max_tokens`
+    (`train.max_tokens_per_micro_batch`) a micro-batch also holds at most that many padded tokens,
+    counted as rows x its longest row (prompt + completion: an upper bound on what the forward holds
+    activations for); a row longer than the cap goes alone."""
     ordered = prompt_order(trajectories, indices)
-    return [ordered[s : s + size] for s in range(0, len(ordered), size)]
+    if max_tokens is None:
+        return [ordered[s : s + size] for s in range(0, len(ordered), size)]
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in ordered:
+        length = len(trajectories[i].token_ids)
+        widest = max(longest, length)
+        if current and (len(current) + 1 > size or (len(current) + 1) * widest > max_tokens):
+            chunks.append(current)
+            current, widest = [], length
+        current.append(i)
+        longest = widest
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def prompt_order(trajectories: Sequence[Trajectory], indices: Sequence[int]) -> list[int]:
@@ -87,6 +109,7 @@ def per_token_scores(
     cfg: RunConfig,
     pad_token_id: int,
     dist: DistContext | None = None,
+    device: torch.device | None = None,
 ) -> list[list[float]]:
     """`score(batch) -> (B, C)` (reference log-probs, critic values) for every usable trajectory, as one
     list per trajectory with a value per completion token (zeros for a trajectory that did not score).
@@ -94,9 +117,15 @@ def per_token_scores(
     the rows (in lock-step under fsdp, see `RankPlan`) and every rank gets every row's scores."""
     out = [[0.0] * (len(t.token_ids) - t.prompt_length) for t in trajectories]
     usable = [i for i, t in enumerate(trajectories) if t.usable]
-    plan = RankPlan.make(trajectories, usable, cfg.train.micro_batch_size, dist)
+    plan = RankPlan.make(
+        trajectories,
+        usable,
+        cfg.train.micro_batch_size,
+        dist,
+        max_tokens=cfg.train.max_tokens_per_micro_batch,
+    )
     zeros = [[0.0] * (len(t.token_ids) - t.prompt_length) for t in trajectories]
-    device = dist.device if dist is not None else None
+    device = dist.device if dist is not None else device
     with torch.no_grad():
         for chunk in plan.chunks:
             scores_B_C = score(plan.collate(trajectories, zeros, pad_token_id, chunk, device))
@@ -138,14 +167,16 @@ class RankPlan:
         dist: DistContext | None,
         share_prefix: bool = True,
         fused: bool = True,
+        *,
+        max_tokens: int | None = None,
     ) -> RankPlan:
         if dist is None:
-            return cls(micro_batches(trajectories, rows, size), [], share_prefix, fused)
+            return cls(micro_batches(trajectories, rows, size, max_tokens), [], share_prefix, fused)
         shards = shard_rows(trajectories, rows, dist.world_size)
-        chunks = micro_batches(trajectories, shards[dist.rank], size)
+        chunks = micro_batches(trajectories, shards[dist.rank], size, max_tokens)
         padding: list[int] = []
         if dist.fsdp and rows:
-            steps = max(math.ceil(len(shard) / size) for shard in shards)
+            steps = max(len(micro_batches(trajectories, s, size, max_tokens)) for s in shards)
             padding = [min(rows, key=lambda i: len(trajectories[i].token_ids))]
             chunks += [padding] * (steps - len(chunks))  # the same list object: `is` finds it
             short = any(
@@ -166,9 +197,7 @@ class RankPlan:
         batch = collate(
             [trajectories[i] for i in chunk], [token_advantages[i] for i in chunk], pad_token_id
         )
-        if device is None or device.type == "cpu":
-            return batch
-        return TrainBatch(*(getattr(batch, f.name).to(device) for f in fields(TrainBatch)))
+        return batch if device is None else batch.to(device)
 
 
 def use_fused_logprobs(cfg: RunConfig) -> bool:
@@ -236,8 +265,10 @@ def policy_update(
         dist,
         cfg.train.share_prompt_prefix,
         use_fused_logprobs(cfg),
+        max_tokens=cfg.train.max_tokens_per_micro_batch,
     )
-    device = dist.device if dist is not None else None
+    # Collated on the host, one copy per tensor to the model's device (the rank's under torchrun).
+    device = dist.device if dist is not None else device_of(model)
     # Under fsdp the list ends with zero-weight padding micro-batches (RankPlan): `real` says which.
     batches: list[TrainBatch] = [
         plan.collate(trajectories, token_advantages, pad_id, chunk, device) for chunk in plan.chunks
@@ -401,6 +432,7 @@ def policy_update(
         "update/skipped_nonfinite": float(skipped),
         "update/rows_forwarded_frac": len(forwarded) / len(usable),
         "update/rows_trained": float(len(usable)),
+        "update/micro_batches": float(sum(real)),  # this rank's forwards (train.max_tokens_...)
         # Generator vs trainer log-prob gap on the same tokens (numerics, or a stale/other engine).
         "update/behaviour_logprob_abs_diff": per_token("behaviour_logprob_diff", forwarded_tokens),
     }
@@ -464,6 +496,7 @@ def reference_logprobs(
         dist,
         cfg.train.share_prompt_prefix,
         use_fused_logprobs(cfg),
+        max_tokens=cfg.train.max_tokens_per_micro_batch,
     )
     policy.model.eval()
     with policy.reference(bf16_matmuls=bf16) as ref:
@@ -480,4 +513,5 @@ def reference_logprobs(
             cfg,
             int(policy.tokenizer.pad_token_id),
             dist,
+            device_of(policy.model),
         )
