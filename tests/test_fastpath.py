@@ -483,3 +483,14 @@ def test_fused_logprobs_auto_means_lora_runs() -> None:
         )
         off = ["model.lora.enabled=true", "train.fused_logprobs=false", f"model.bf16={bf16}"]
         assert not use_fused_logprobs(load_config(None, off))
+
+
+def test_fused_logprobs_auto_is_on_for_every_run_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the unfused head's fp32 (rows, length, vocab) logits are what runs out of memory
+    (issue 34): auto takes the fused head there for full fine-tuning too; false still wins."""
+    from rlvr.config import load_config
+    from rlvr.train import update
+
+    monkeypatch.setattr(update, "device_or_cpu", lambda setting: torch.device("cuda", 0))
+    assert update.use_fused_logprobs(load_config(None, []))
+    assert not update.use_fused_logprobs(load_config(None, ["train.fused_logprobs=false"]))

@@ -506,7 +506,8 @@ class TrainConfig(_Section):
         "auto",
         description="Token log-probs and entropies from hidden states a chunk at a time, never "
         "holding the (rows x length x vocab) logits (rlvr.train.fused_logprobs; bf16 matmuls in a "
-        "bf16 update). auto = LoRA runs (either precision): ~260 MB less for ~8% more bf16 "
+        "bf16 update). auto = LoRA runs (either precision) and every run on a GPU (memory binds "
+        "there): on CPUs LoRA holds ~260 MB less for ~8% more bf16 "
         "update time. Full fine-tuning: `true` held ~190 MB less at the same bf16 update time "
         "(its logged update GFLOP/s read ~25% lower, not yet explained); in fp32 the recomputed "
         "lm_head matmul costs ~5-10% of the update (measured, docs/performance.md).",

@@ -27,7 +27,7 @@ from rlvr.algorithms import (
     truncated_importance_weights,
     zero_outside,
 )
-from rlvr.build import use_bf16
+from rlvr.build import device_or_cpu, use_bf16
 from rlvr.config import RunConfig
 from rlvr.devices import device_of
 from rlvr.models import Policy
@@ -201,10 +201,13 @@ class RankPlan:
 
 
 def use_fused_logprobs(cfg: RunConfig) -> bool:
-    """`train.fused_logprobs`, with auto = LoRA runs in either precision (see its description in
-    config.py)."""
+    """`train.fused_logprobs`, with auto = LoRA runs in either precision, and every run on a GPU,
+    where the (rows, length, vocab) fp32 logits are the update's largest activation (8 x 1024 x 152k
+    ids = 5 GB) and memory, not the CPU's page faults, is what binds (see config.py)."""
     setting = cfg.train.fused_logprobs
-    return cfg.model.lora.enabled if setting == "auto" else bool(setting)
+    if setting != "auto":
+        return bool(setting)
+    return cfg.model.lora.enabled or device_or_cpu(cfg.model.device).type == "cuda"
 
 
 def trains_on(trajectory: Trajectory, cfg: RunConfig) -> bool:
