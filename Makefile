@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench bench-all efficacy setup clean
+.PHONY: demo test test-fast lint bench bench-all efficacy setup clean gpu-wheels
 
 setup: $(STAMP)
 
@@ -61,6 +61,17 @@ bench-all: bench
 # SmolLM2, held-out before and after (benchmarks/efficacy.py; up to 30 min a row: hours in all).
 efficacy: $(STAMP)
 	$(BIN)/python benchmarks/efficacy.py
+
+# The GPU check (benchmarks/gpu_check.py, docs/performance.md "GPU") runs on a lent GPU machine with
+# Python 3.12, torch and an older transformers, and no network: the packages rlvr needs beyond its
+# image travel as wheels in .whl/ (git-ignored; ~14 MB). Its docstring has the command to run there.
+GPU_WHEELS := transformers==5.24.0 peft==0.21.2 pydantic==2.14.4 pydantic-core==2.50.5 \
+	annotated-types==0.8.0 typing-inspection==0.4.5
+gpu-wheels:
+	mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
