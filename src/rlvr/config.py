@@ -72,7 +72,8 @@ class ModelConfig(_Section):
         "copy; log-probs and losses stay fp32). 'auto': on a CPU with native bf16 the RL loop times an "
         "update micro-batch both ways and takes bf16 only when it takes <= 0.85x the fp32 time, "
         "cached per host and model size (rlvr.train.precision_choice); fp32 on AVX2-only CPUs and in "
-        "offline stages. Sampling never autocasts (a bf16 sampler is generator.decode: fast with a "
+        "offline stages on CPUs; on a CUDA device bf16 where it is native (compute capability 8.0+), "
+        "not timed. Sampling never autocasts (a bf16 sampler is generator.decode: fast with a "
         "bf16 copy).",
     )
     device: str = Field(
