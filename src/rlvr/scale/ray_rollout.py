@@ -18,8 +18,9 @@ samples. The actors start from the configured base weights: a learner that resum
 must call `sync_weights` before the first rollout.
 
 Failures: an actor that raises, fails to build, or dies is reported as a one-line RuntimeError naming
-its index and the cause, as soon as Ray reports it, never a hang. `worker_gpus` only reserves GPUs
-for the actors (placement); the generator samples where the model was loaded (the CPU).
+its index and the cause, as soon as Ray reports it, never a hang. With `worker_gpus` > 0 an actor
+loads its copy onto the GPU Ray reserved for it and samples there; with 0, on its CPUs. (Weight sync
+still sends fp32 weights through the object store: issue 35.)
 """
 
 from __future__ import annotations
@@ -135,10 +136,14 @@ class RolloutWorker:
         seed = seed_for_worker(cfg.train.seed, self.index)
         torch.manual_seed(seed)
         # No reference model (sampling never reads it) and this actor's own sampling seed.
+        # The actor's device: the GPU Ray gave it (Ray makes it the actor's cuda:0), else the host,
+        # never the trainer's `model.device: auto` (which would put every worker on GPU 0).
+        gpu = cfg.distributed.worker_gpus > 0 and torch.cuda.is_available()
         cfg = cfg.model_copy(
             update={
                 "objective": cfg.objective.model_copy(update={"beta": 0.0}),
                 "train": cfg.train.model_copy(update={"seed": seed}),
+                "model": cfg.model.model_copy(update={"device": "cuda:0" if gpu else "cpu"}),
             }
         )
         self.policy: Policy = build_policy(cfg)
