@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from rlvr.rollout.fastlinear import mergeable, merged_linear
-from rlvr.rollout.turn_cache import Entry
+from rlvr.rollout.turn_cache import Entry, left_padded_mask, real_columns
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # RoPE types whose inverse frequencies are fixed at load time (HF recomputes "dynamic" and
@@ -287,8 +287,11 @@ class StaticDecode:
         self.kv: torch.Tensor | None = None  # (layers, 2, rows, kv_heads, capacity, head_dim)
         self.rows = 0
         self.length = 0  # columns filled
-        self._cos = torch.empty(0)  # (positions, head_dim) RoPE tables, grown on demand
-        self._sin = torch.empty(0)
+        device = weights.embed.device
+        self._cos = torch.empty(
+            0, device=device
+        )  # (positions, head_dim) RoPE tables, grown on demand
+        self._sin = torch.empty(0, device=device)
 
     def _ensure(self, rows: int, columns: int) -> torch.Tensor:
         """The cache with room for `columns` columns of `rows` rows (reallocated at a prefill that
@@ -311,10 +314,12 @@ class StaticDecode:
         shape = (len(w.layers), 2, rows, w.kv_heads, capacity, w.head_dim)
         return torch.empty(shape, dtype=w.dtype, device=w.embed.device)
 
-    def _rope(self, positions_B_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, positions_B_T: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (B, T, 1, head_dim) at these positions: the same float32 products and cos/sin
-        as HF's rotary embedding, looked up from a table instead of recomputed per layer."""
-        needed = int(positions_B_T.max()) + 1
+        as HF's rotary embedding, looked up from a table instead of recomputed per layer. The table
+        covers `columns` positions: a position id counts a row's real tokens, so it is below the
+        mask's column count (known on the host: no read-back of the positions each step)."""
+        needed = columns
         if self._cos.shape[0] < needed:
             size = max(needed, 2 * self._cos.shape[0], 256)
             index = torch.arange(size, dtype=torch.float32, device=self.w.inv_freq.device)
@@ -360,7 +365,7 @@ class StaticDecode:
             .expand(rows, 1, groups, new, columns)
             .reshape(rows, 1, groups * new, columns)
         )
-        cos, sin = self._rope(positions_B_T)
+        cos, sin = self._rope(positions_B_T, columns)
 
         x = w.embed[input_ids_B_T]  # (B, T, hidden) float32: the residual stream
         for index, lw in enumerate(w.layers):
@@ -414,18 +419,22 @@ class StaticDecode:
         repeated[:, :, :, :, : self.length] = filled.repeat_interleave(n, dim=2)
         self.kv, self.rows = repeated, self.rows * n
 
-    def select(self, index_B: torch.Tensor) -> None:
+    def select(self, index_B: torch.Tensor, order: Sequence[int] | None = None) -> None:
         """Rows become rows `index_B` of the old ones, in that order: finished rows dropped
         (compacted in place over the filled columns), or a shared prefix gathered for the prompts
-        that continue it (an index may repeat; a new allocation when there are more rows)."""
+        that continue it (an index may repeat; a new allocation when there are more rows).
+        `order`: `index_B` as a host list, when the caller has it (no read-back from the device)."""
         if self.kv is None:
             return
         rows = int(index_B.numel())
         if rows <= self.rows:
             # Rows dropped (HFGenerator orders the survivors so few move): copy only the rows whose
             # position changes. The right side is gathered before anything is written.
-            moved = (index_B != torch.arange(rows, device=index_B.device)).nonzero().squeeze(1)
-            if moved.numel():
+            if order is None:
+                order = index_B.tolist()
+            changed = [i for i, b in enumerate(order) if b != i]
+            if changed:
+                moved = torch.tensor(changed, dtype=torch.long, device=index_B.device)
                 filled = self.kv[:, :, :, :, : self.length]
                 filled[:, :, moved] = filled[:, :, index_B[moved]]
             self.rows = rows
@@ -449,8 +458,7 @@ class StaticDecode:
         """Copies of some rows' real columns (mask 1), as turn_cache.extract_rows does for HF's."""
         assert self.kv is not None and mask_B_C.shape[1] == self.length, mask_B_C.shape
         out = []
-        for b in batch_rows:
-            positions = mask_B_C[b].nonzero().squeeze(1)
+        for b, positions in zip(batch_rows, real_columns(mask_B_C, batch_rows), strict=True):
             row = self.kv[:, :, b].index_select(3, positions)  # (layers, 2, kv_heads, L, head_dim)
             out.append(Entry(list(row[:, 0].unbind(0)), list(row[:, 1].unbind(0))))
         return out
@@ -463,9 +471,8 @@ class StaticDecode:
         column must be finite), with room for `extra` more columns (the new tokens' prefill), then
         `reserve`. Returns (decoder, mask (R, W), real length (R,)), as
         turn_cache.past_from_entries does for HF's path."""
-        lengths = torch.tensor([e.length for e in entries], dtype=torch.long)
-        width = int(lengths.max())
-        mask_R_W = (torch.arange(width)[None, :] >= (width - lengths)[:, None]).long()
+        mask_R_W, lengths = left_padded_mask([e.length for e in entries], weights.embed.device)
+        width = mask_R_W.shape[1]
         decoder = cls(weights, reserve)
         kv = decoder._allocate(len(entries), width + extra + reserve)
         for r, entry in enumerate(entries):

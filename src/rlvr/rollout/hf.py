@@ -14,11 +14,19 @@ the batch until the longest one ends, and prefills each prompt once per sample. 
   sessions too (the store's entries fit either cache); other models keep HF's forward.
 Sampling draws from a `torch.Generator` owned by this object, whose state is checkpointed, so a resumed
 run samples exactly what the uninterrupted run would have.
+
+Devices: every tensor here, and the generator, is made on the model's device (`device_of`), so a
+CUDA model samples on its GPU; each decode step brings the batch's tokens, log-probs and end flags to
+the host in one transfer. The CPU tunings (`SkinnyLinear`, merging LoRA into temporary fp32 weights,
+the fp64 inverse-CDF draw in sampling.py) apply only when the model is on the CPU, where the outputs
+are bit-identical to what they were before devices were considered. Stop strings are checked on a
+decoded tail of each row (`stop_hit`), not the whole row.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, Protocol
@@ -26,6 +34,7 @@ from typing import Any, Literal, Protocol
 import torch
 from transformers import DynamicCache
 
+from rlvr.devices import device_of
 from rlvr.models import matmul_weights_to_fp32
 from rlvr.rollout.fast_decode import (
     DecodeWeights,
@@ -62,7 +71,10 @@ class Decoder(Protocol):
 
     def repeat_interleave(self, n: int) -> None: ...
 
-    def select(self, index_B: torch.Tensor) -> None: ...
+    def select(self, index_B: torch.Tensor, order: Sequence[int] | None = None) -> None:
+        """Keep rows `index_B` (on the cache's device), in that order; `order`: the same indices
+        as a host list, when the caller has them (saves reading `index_B` back)."""
+        ...
 
     def keepable(self) -> bool:
         """Whether rows can be copied out for the cross-turn cache (turn_cache.py)."""
@@ -100,7 +112,7 @@ class HFDecode:
         if n > 1:
             self.cache.batch_repeat_interleave(n)
 
-    def select(self, index_B: torch.Tensor) -> None:
+    def select(self, index_B: torch.Tensor, order: Sequence[int] | None = None) -> None:
         self.cache.batch_select_indices(index_B)
 
     def keepable(self) -> bool:
@@ -116,6 +128,9 @@ class HFGenerator:
     `decode`: "hf" runs HF's forward; "fast" runs fast_decode.py's for the architectures it
     supports (else HF's, with a warning naming why: `fast_decode_declined`). `decode_dtype` is the
     fast path's weight copy: float32, or bfloat16 (None: bfloat16 exactly when `autocast_bf16`).
+    `skinny_linear` and `merge_lora` are CPU tunings: ignored when the model is on another device
+    (merging would hold an fp32 copy of every adapted weight there; peft's own path samples).
+    The sampler's generator lives on the model's device, seeded with `seed`.
     """
 
     def __init__(
@@ -144,7 +159,10 @@ class HFGenerator:
         self.min_shared_prefix = min_shared_prefix
         self.skinny_linear = skinny_linear
         self.merge_lora = merge_lora
-        self.rng = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.rng = torch.Generator(device=device_of(model)).manual_seed(seed)
+        self._rng_used = False  # drawn from or restored: a device change must not reseed it
+        self._piece_chars: dict[int, int] = {}  # token id -> its decoded length (`stop_hit`)
         self.turn_cache = turn_cache
         self.turn_cache_mb = turn_cache_mb
         self.turns: TurnCache | None = None  # open inside `turn_session` (turn_cache.py)
@@ -166,9 +184,7 @@ class HFGenerator:
         if not self.turn_cache or self.turns is not None:
             yield self.turns
             return
-        param = next(iter(self.model.parameters()), None)
-        device = param.device if param is not None else torch.device("cpu")
-        cap_mb = resolve_cap_mb(self.turn_cache_mb, device)
+        cap_mb = resolve_cap_mb(self.turn_cache_mb, device_of(self.model))
         self.turns = TurnCache(max_bytes=int(cap_mb * 2**20))
         try:
             yield self.turns
@@ -177,12 +193,37 @@ class HFGenerator:
             self.turns = None
             self._kept = []
 
-    # The sampler's state travels with checkpoints (see train/checkpoint.py).
+    # The sampler's state travels with checkpoints (see train/checkpoint.py): a host uint8 tensor,
+    # the Mersenne Twister's 5056 bytes on the CPU, the Philox seed and offset (16 bytes) on CUDA.
     def get_state(self) -> torch.Tensor:
         return self.rng.get_state()
 
     def set_state(self, state: torch.Tensor) -> None:
-        self.rng.set_state(state)
+        """Restore `get_state`'s tensor. A state from a generator on another kind of device (a CPU
+        run's checkpoint resumed on a GPU, or back) cannot continue its stream there: the generator
+        is seeded from the state's bytes instead (deterministic, so two resumes sample alike), with
+        a warning."""
+        state = state.detach().to("cpu", torch.uint8)
+        self._rng_used = True
+        if state.numel() == self.rng.get_state().numel():
+            self.rng.set_state(state)
+            return
+        warnings.warn(
+            f"generator state of {state.numel()} bytes is another device kind's (this sampler's "
+            f"generator is on {self.rng.device}): its stream cannot carry over; seeded from it",
+            stacklevel=2,
+        )
+        self.rng.manual_seed(_seed_from(state))
+
+    def _follow_model(self) -> torch.device:
+        """The model's device, with the generator moved there if the model moved since (e.g. to
+        a rank's GPU after this object was built): reseeded with `seed` when it was never used,
+        else from its state, as `set_state` does across device kinds."""
+        device = device_of(self.model)
+        if self.rng.device != device:
+            seed = _seed_from(self.rng.get_state()) if self._rng_used else self.seed
+            self.rng = torch.Generator(device=device).manual_seed(seed)
+        return device
 
     def refresh_weights(self) -> None:
         """The policy's weights changed (the trainer calls this after each update and on resume;
@@ -228,12 +269,15 @@ class HFGenerator:
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_bf16:
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(device_of(self.model).type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _decode_context(self) -> contextlib.AbstractContextManager[Any]:
-        # Few rows per matmul while decoding: the W @ x^T layout is faster there (fastlinear.py).
-        return SkinnyLinear() if self.skinny_linear else contextlib.nullcontext()
+        # Few rows per matmul while decoding: the W @ x^T layout is faster there on the CPUs this was
+        # measured on (fastlinear.py); a CPU tuning, not applied on other devices.
+        if self.skinny_linear and device_of(self.model).type == "cpu":
+            return SkinnyLinear()
+        return contextlib.nullcontext()
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
@@ -243,6 +287,7 @@ class HFGenerator:
         # Chunk so that a chunk's prompts x n rows stay under max_batch_rows.
         prompts_per_chunk = max(1, self.max_batch_rows // sampling.n)
         self._kept = []
+        self._follow_model()
         self._fast = self._fast_decode_weights()
         if self.turns is not None:
             self.turns.check_weights(self.model, self._turn_key())
@@ -267,9 +312,10 @@ class HFGenerator:
         was_training = self.model.training
         self.model.eval()
         try:
-            # LoRA adapters as one merged matmul per layer while sampling (fastlinear.py); the fast
-            # path's copy has them merged already.
-            merge = self.merge_lora and self._fast is None
+            # LoRA adapters as one merged matmul per layer while sampling (fastlinear.py), on the
+            # CPU; the fast path's copy has them merged already.
+            on_cpu = device_of(self.model).type == "cpu"
+            merge = self.merge_lora and self._fast is None and on_cpu
             if self._fast is None and not self.autocast_bf16 and matmul_weights_to_fp32(self.model):
                 warnings.warn(
                     "HF's fp32 forward samples: the LoRA policy's frozen base weights, stored in bf16 "
@@ -288,6 +334,8 @@ class HFGenerator:
         num_prompts = len(prompts)
         if min(len(p) for p in prompts) == 0:
             raise ValueError("cannot generate from an empty prompt")
+        device = device_of(self.model)
+        self._rng_used = True
         decoder: Decoder
         if self.turns is not None:
             logits_P_V, mask_P_L, next_pos_P, decoder = self._prefill_turns(
@@ -308,18 +356,21 @@ class HFGenerator:
         logprobs: list[list[float]] = [[] for _ in range(rows)]
         finish: list[str] = ["length"] * rows
         active = list(range(rows))  # row ids still generating, in batch order
-        eos = torch.tensor(self.eos_token_ids, dtype=torch.long)
+        eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
 
         for step in range(sampling.max_new_tokens):
             new_tokens_B, new_logprobs_B = sample_from_logits(logits_B_V, sampling, self.rng)
             done_B = torch.isin(new_tokens_B, eos)
+            # One device-to-host transfer per step for the whole batch: token ids (< 2^53) and
+            # float32 log-probs are exact in float64.
+            step_tokens, step_logprobs, step_done = torch.stack(
+                [new_tokens_B.double(), new_logprobs_B.double(), done_B.double()]
+            ).tolist()
             keep: list[int] = []
             for b, row in enumerate(active):
-                tokens[row].append(int(new_tokens_B[b]))
-                logprobs[row].append(float(new_logprobs_B[b]))
-                if bool(done_B[b]) or (
-                    sampling.stop and self._hit_stop(tokens[row], sampling.stop)
-                ):
+                tokens[row].append(int(step_tokens[b]))
+                logprobs[row].append(step_logprobs[b])
+                if step_done[b] or (sampling.stop and self._hit_stop(tokens[row], sampling.stop)):
                     finish[row] = "stop"
                 else:
                     keep.append(b)
@@ -335,13 +386,13 @@ class HFGenerator:
                 # Drop finished rows from the batch and the KV cache right away; survivors from
                 # the end fill the holes, so a static cache moves only as many rows as finished.
                 order = fill_holes_order(keep)
-                index = torch.tensor(order, dtype=torch.long)
-                decoder.select(index)
+                index = torch.tensor(order, dtype=torch.long, device=device)
+                decoder.select(index, order)
                 new_tokens_B = new_tokens_B[index]
                 mask_B_L = mask_B_L[index]
                 next_pos_B = next_pos_B[index]
                 active = [active[b] for b in order]
-            mask_B_L = torch.cat([mask_B_L, torch.ones((len(active), 1), dtype=torch.long)], dim=1)
+            mask_B_L = torch.cat([mask_B_L, mask_B_L.new_ones((len(active), 1))], dim=1)
             logits_B_V = decoder.forward(new_tokens_B[:, None], mask_B_L, next_pos_B[:, None])
             next_pos_B = next_pos_B + 1
 
@@ -416,8 +467,10 @@ class HFGenerator:
             assert isinstance(past, HFDecode) and isinstance(fresh, HFDecode)
             both, mask = merge_batches((past.cache, mask), (fresh.cache, mask_m))
             merged = HFDecode(self, both)
-        inverse = torch.argsort(torch.tensor(hit + miss))  # back to prompt order
-        merged.select(inverse)
+        # Back to prompt order: the inverse of the permutation hit + miss.
+        order = sorted(range(len(prompts)), key=(hit + miss).__getitem__)
+        inverse = torch.tensor(order, dtype=torch.long, device=device_of(self.model))
+        merged.select(inverse, order)
         return (
             torch.cat([logits, logits_m])[inverse],
             mask[inverse],
@@ -437,8 +490,8 @@ class HFGenerator:
         prefixes = [list(prompts[members[0]][:length]) for length, members in groups]
         _, prefix_mask_Q_L, prefix_next_Q = self._prefill_plain(prefixes, decoder)
         row_prefix = [q for q, (_, members) in enumerate(groups) for _ in members]
-        index = torch.tensor(row_prefix, dtype=torch.long)
-        decoder.select(index)
+        index = torch.tensor(row_prefix, dtype=torch.long, device=device_of(self.model))
+        decoder.select(index, row_prefix)
         suffixes = [list(prompts[i][length:]) for length, members in groups for i in members]
         # Suffixes left-padded after their prefix: the padding sits in the middle, masked out.
         return self._prefill_plain(
@@ -457,13 +510,14 @@ class HFGenerator:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Left-pad and run `prompts` (continuing rows already in `decoder`'s cache when `past_mask`, (P, Lc),
         and `past_length`, (P,) real tokens so far, are given)."""
-        # Left padding, so the newest token of every row sits in the last column.
+        # Left padding, so the newest token of every row sits in the last column. Padded on the
+        # host, one copy per tensor to the model's device.
         max_len = max(len(p) for p in prompts)
-        input_ids_P_L = torch.full((len(prompts), max_len), self.pad_token_id, dtype=torch.long)
-        mask_P_L = torch.zeros((len(prompts), max_len), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            input_ids_P_L[i, max_len - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-            mask_P_L[i, max_len - len(prompt) :] = 1
+        device = device_of(self.model)
+        ids = [[self.pad_token_id] * (max_len - len(p)) + [int(t) for t in p] for p in prompts]
+        bits = [[0] * (max_len - len(p)) + [1] * len(p) for p in prompts]
+        input_ids_P_L = torch.tensor(ids, dtype=torch.long, device=device)
+        mask_P_L = torch.tensor(bits, dtype=torch.long, device=device)
         positions_P_L = (mask_P_L.cumsum(dim=1) - 1).clamp(min=0)
         attention_P_L = mask_P_L
         next_P = mask_P_L.sum(dim=1)  # real tokens so far (also right for an all-padding row: 0)
@@ -475,10 +529,49 @@ class HFGenerator:
         return logits_P_V, attention_P_L, next_P
 
     def _hit_stop(self, row_tokens: list[int], stops: tuple[str, ...]) -> bool:
-        # Decode the whole row (microseconds at these lengths): a tail of a few tokens can miss a stop
-        # string split by special tokens, which decode to nothing.
-        text = self.tokenizer.decode(row_tokens, skip_special_tokens=True)
-        return any(s in text for s in stops)
+        return stop_hit(self.tokenizer, row_tokens, stops, self._piece_chars)
+
+
+# `stop_hit`'s margin in characters beyond the longest stop string and the newest token's text: the
+# start of a tail can decode differently from the same tokens inside the row (a character whose first
+# UTF-8 bytes lie before the tail becomes up to 3 U+FFFD; SentencePiece drops a leading space).
+STOP_MARGIN_CHARS = 8
+
+
+def stop_hit(
+    tokenizer: Any, row_tokens: Sequence[int], stops: Sequence[str], piece_chars: dict[int, int]
+) -> bool:
+    """Whether a stop string occurs in the row's text (decoded skipping special tokens), called after
+    every sampled token, so no stop string occurred before the newest one. Any new occurrence then
+    ends in the text that token changed: at most the newest token's own text (`piece_chars`: a
+    cache of each id's decoded length) plus a few characters a decode can revise (an incomplete
+    UTF-8 character completed, a space cleaned up before punctuation). So only a tail is decoded:
+    the last k tokens, k doubled from the stop strings' length until the tail's text covers the
+    longest stop string, that token's text and STOP_MARGIN_CHARS, or the row ends. Special tokens
+    decode to nothing and just make the tail longer, so a stop string split by them is still seen
+    (tests/test_stop_strings.py holds this to whole-row decoding, step by step, on byte-level and
+    SentencePiece-style tokenizers). A tail that starts inside a multi-byte character decodes it as
+    U+FFFD: a stop string holding U+FFFD could match there. Decoding whole rows made stop checks
+    quadratic in the row's length."""
+    need = max(len(s) for s in stops)
+    last = int(row_tokens[-1])
+    if last not in piece_chars:
+        piece_chars[last] = len(tokenizer.decode([last], skip_special_tokens=True))
+    want = need + piece_chars[last] + STOP_MARGIN_CHARS
+    k = need + 4
+    while True:
+        text = tokenizer.decode(row_tokens[-k:], skip_special_tokens=True)
+        if any(s in text for s in stops):
+            return True
+        if k >= len(row_tokens) or len(text) >= want:
+            return False
+        k *= 2
+
+
+def _seed_from(state: torch.Tensor) -> int:
+    """A 63-bit seed from a generator state's bytes (`HFGenerator.set_state` across device kinds)."""
+    digest = hashlib.sha256(state.to("cpu", torch.uint8).numpy().tobytes()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def fill_holes_order(keep: Sequence[int]) -> list[int]:

@@ -1,5 +1,11 @@
 """Sampling one token per row from logits, and grouping prompts that share a prefix (HFGenerator's
-helpers, also imported from `rlvr.rollout.hf`)."""
+helpers, also imported from `rlvr.rollout.hf`).
+
+Everything runs on the logits' device with the caller's `torch.Generator`, which must live there
+too (HFGenerator makes it on the model's device). The draw itself is device-specific: on the CPU
+the fp64 inverse-CDF below (a CPU tuning, bit-identical to earlier releases); elsewhere
+`torch.multinomial`, whose one-sample CUDA kernel works in the probabilities' own dtype (fp32 here)
+without the V-wide fp64 cumsum that GPUs run slowly."""
 
 from __future__ import annotations
 
@@ -30,8 +36,17 @@ def sample_from_logits(
         outside = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= sampling.top_p
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs_B_V = torch.zeros_like(probs_B_V).scatter(1, sorted_idx, sorted_probs)
-    tokens_B = inverse_cdf_sample(probs_B_V, rng)
+    tokens_B = draw(probs_B_V, rng)
     return tokens_B, logprobs_B_V.gather(1, tokens_B[:, None]).squeeze(1)
+
+
+def draw(probs_B_V: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
+    """One draw per row from unnormalised probabilities (B, V) -> (B,), on their device: the fp64
+    inverse CDF on the CPU (`inverse_cdf_sample`), `torch.multinomial` elsewhere. A
+    zero-probability token is never drawn by either."""
+    if probs_B_V.device.type == "cpu":
+        return inverse_cdf_sample(probs_B_V, rng)
+    return torch.multinomial(probs_B_V, 1, generator=rng).squeeze(1)
 
 
 def inverse_cdf_sample(probs_B_V: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
@@ -44,7 +59,9 @@ def inverse_cdf_sample(probs_B_V: torch.Tensor, rng: torch.Generator) -> torch.T
     A zero-probability token owns an empty interval and is never drawn.
     """
     cdf_B_V = probs_B_V.double().cumsum(dim=-1)
-    u_B1 = torch.rand((probs_B_V.shape[0], 1), generator=rng, dtype=torch.float64)
+    u_B1 = torch.rand(
+        (probs_B_V.shape[0], 1), generator=rng, dtype=torch.float64, device=probs_B_V.device
+    )
     # right=True: the first index whose cumulative mass exceeds the draw (skips empty intervals).
     index_B1 = torch.searchsorted(cdf_B_V, u_B1 * cdf_B_V[:, -1:], right=True)
     return index_B1.squeeze(1).clamp(max=probs_B_V.shape[1] - 1)

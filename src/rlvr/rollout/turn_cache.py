@@ -105,9 +105,13 @@ def weights_fingerprint(model: Any) -> Fingerprint:
     params = list(model.parameters())
     checksum = 0.0
     with torch.no_grad():
-        for p in params:
-            if p.requires_grad and p.numel():
-                checksum += float(p.detach().reshape(-1)[::61].double().sum())
+        sums = [
+            p.detach().reshape(-1)[::61].double().sum()
+            for p in params
+            if p.requires_grad and p.numel()
+        ]
+        if sums:  # one read-back, not one per parameter (each a wait on a GPU)
+            checksum = float(torch.stack([s.to(sums[0].device) for s in sums]).sum())
     return tuple((id(p), p._version) for p in params), checksum
 
 
@@ -226,13 +230,36 @@ def _layers(cache: DynamicCache) -> list[Any]:
     return list(cache.layers)  # DynamicLayers (see `cacheable`): .keys, .values (B, H, L, D)
 
 
+def real_columns(mask_B_L: torch.Tensor, batch_rows: Sequence[int]) -> list[torch.Tensor]:
+    """Each row's real columns (mask 1), as index tensors on the mask's device: the rows' mask is
+    read back to the host once for all of them (`nonzero` on a GPU would wait once per row)."""
+    if not batch_rows:
+        return []
+    rows = list(batch_rows)
+    index = torch.tensor(rows, dtype=torch.long, device=mask_B_L.device)
+    host = mask_B_L.index_select(0, index).cpu()
+    return [host[i].nonzero().squeeze(1).to(mask_B_L.device) for i in range(len(rows))]
+
+
+def left_padded_mask(
+    lengths: Sequence[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask (R, W) with each row's `lengths[r]` ones at the right, W = the longest; lengths (R,)),
+    both long tensors on `device`."""
+    width = max(lengths)
+    bits = [[0] * (width - n) + [1] * n for n in lengths]
+    return (
+        torch.tensor(bits, dtype=torch.long, device=device),
+        torch.tensor(list(lengths), dtype=torch.long, device=device),
+    )
+
+
 def extract_rows(
     cache: DynamicCache, mask_B_L: torch.Tensor, batch_rows: Sequence[int]
 ) -> list[Entry]:
     """Copy the real positions (mask 1) of some batch rows out of `cache`."""
     out = []
-    for b in batch_rows:
-        positions = mask_B_L[b].nonzero().squeeze(1)
+    for b, positions in zip(batch_rows, real_columns(mask_B_L, batch_rows), strict=True):
         keys = [layer.keys[b].index_select(1, positions) for layer in _layers(cache)]
         values = [layer.values[b].index_select(1, positions) for layer in _layers(cache)]
         out.append(Entry(keys, values))
@@ -242,9 +269,8 @@ def extract_rows(
 def past_from_entries(entries: Sequence[Entry]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
     """A batch cache of `entries`, left-padded to the longest; returns (cache, mask (R, Lc),
     real length (R,)). Padded positions are zeros under mask 0."""
-    lengths = torch.tensor([e.length for e in entries], dtype=torch.long)
-    width = int(lengths.max())
-    mask_R_L = (torch.arange(width)[None, :] >= (width - lengths)[:, None]).long()
+    mask_R_L, lengths = left_padded_mask([e.length for e in entries], entries[0].keys[0].device)
+    width = mask_R_L.shape[1]
     layers = []
     for i in range(len(entries[0].keys)):
         pair = []
