@@ -107,8 +107,8 @@ def kl_estimate(
     k3_total = 0.0
     for start in range(0, len(trajectories), micro_batch):
         chunk = trajectories[start : start + micro_batch]
-        batch = collate(chunk, [[0.0] * len(t.completion_ids) for t in chunk], pad_token_id)
-        batch = batch.to(device_of(model))
+        zeros = [[0.0] * len(t.completion_ids) for t in chunk]
+        batch = collate(chunk, zeros, pad_token_id, device_of(model))
         logprobs_B_C, _ = token_logprobs(model, batch)
         base_logprobs_B_C, _ = token_logprobs(baseline, batch)
         mask_B_C = batch.mask_B_C

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rlvr.config import RunConfig, bf16_sampling_copy
+from rlvr.devices import device_of
 from rlvr.observe.monitors import Finding, History, Rule
 
 CANARY_METRIC = "sync/canary_logprob_abs_diff"
@@ -147,9 +148,8 @@ def canary_gap(generator: Any, policy: Any, *, bf16: bool) -> float:
     ]
     if not rows:
         return float("nan")
-    batch = collate(rows, _zeros(rows), int(policy.tokenizer.pad_token_id))
     model = policy.model
-    batch = batch.to(next(model.parameters()).device)
+    batch = collate(rows, _zeros(rows), int(policy.tokenizer.pad_token_id), device_of(model))
     training = model.training
     model.eval()
     try:

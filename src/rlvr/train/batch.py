@@ -52,8 +52,7 @@ class TrainBatch:
         return int(self.completion_ids_B_C.shape[1])
 
     def to(self, device: torch.device) -> TrainBatch:
-        """The batch on `device`: `collate` writes rows into host tensors (cheap there, a copy per
-        row on a GPU), then each tensor crosses once."""
+        """The batch on `device` (a no-op when `collate` was given it: the usual case)."""
         if self.completion_ids_B_C.device == device:
             return self
         return TrainBatch(
@@ -65,45 +64,48 @@ def collate(
     trajectories: Sequence[Trajectory],
     token_advantages: Sequence[Sequence[float]],
     pad_token_id: int,
+    device: torch.device | str | None = None,
 ) -> TrainBatch:
-    """Pad trajectories into the layout above. `token_advantages[i]` has one value per completion token."""
+    """Pad trajectories into the layout above. `token_advantages[i]` has one value per completion
+    token. Rows are padded as Python lists and each tensor is made once, on `device` (the model's:
+    one host-to-device copy per tensor, none per row; None: the host)."""
     prompts: dict[tuple[int, ...], int] = {}
     row_prompt = []
     for traj in trajectories:
         key = traj.token_ids[: traj.prompt_length]
         row_prompt.append(prompts.setdefault(key, len(prompts)))
     prompt_cols = max(len(p) for p in prompts)
-    prompt_ids = torch.full((len(prompts), prompt_cols), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((len(prompts), prompt_cols), dtype=torch.long)
-    for key, i in prompts.items():
-        prompt_ids[i, prompt_cols - len(key) :] = torch.tensor(key, dtype=torch.long)
-        prompt_mask[i, prompt_cols - len(key) :] = 1
+    prompt_ids = [[pad_token_id] * (prompt_cols - len(k)) + list(k) for k in prompts]
+    prompt_mask = [[0] * (prompt_cols - len(k)) + [1] * len(k) for k in prompts]
 
     width = max(len(t.token_ids) - t.prompt_length for t in trajectories)
-    rows = len(trajectories)
-    completion_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    completion_mask = torch.zeros((rows, width), dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.float32)
-    behaviour = torch.zeros((rows, width), dtype=torch.float32)
-    advantages = torch.zeros((rows, width), dtype=torch.float32)
-    for i, (traj, adv) in enumerate(zip(trajectories, token_advantages, strict=True)):
+    completion_ids, completion_mask, mask, behaviour, advantages = [], [], [], [], []
+    for traj, adv in zip(trajectories, token_advantages, strict=True):
         n_p = traj.prompt_length
-        n_c = len(traj.token_ids) - n_p
-        completion_ids[i, :n_c] = torch.tensor(traj.token_ids[n_p:], dtype=torch.long)
-        completion_mask[i, :n_c] = 1
-        mask[i, :n_c] = torch.tensor(traj.policy_mask[n_p:], dtype=torch.float32)
-        behaviour[i, :n_c] = torch.tensor(traj.logprobs[n_p:], dtype=torch.float32)
-        advantages[i, :n_c] = torch.tensor(list(adv), dtype=torch.float32)
+        pad = width - (len(traj.token_ids) - n_p)
+        completion_ids.append(list(traj.token_ids[n_p:]) + [pad_token_id] * pad)
+        completion_mask.append([1] * (width - pad) + [0] * pad)
+        mask.append([float(m) for m in traj.policy_mask[n_p:]] + [0.0] * pad)
+        behaviour.append(list(traj.logprobs[n_p:]) + [0.0] * pad)
+        advantages.append(list(adv) + [0.0] * pad)
+
+    def longs(rows: list[Any]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=device)
+
+    def floats(rows: list[list[float]]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.float32, device=device)
+
+    mask_B_C = floats(mask)
     return TrainBatch(
-        prompt_ids,
-        prompt_mask,
-        torch.tensor(row_prompt, dtype=torch.long),
-        completion_ids,
-        completion_mask,
-        mask,
-        behaviour,
+        longs(prompt_ids),
+        longs(prompt_mask),
+        longs(row_prompt),
+        longs(completion_ids),
+        longs(completion_mask),
+        mask_B_C,
+        floats(behaviour),
         # Selected, not multiplied: a non-finite advantage outside the mask must not survive as nan.
-        torch.where(mask != 0, advantages, 0.0),
+        torch.where(mask_B_C != 0, floats(advantages), 0.0),
     )
 
 

@@ -83,6 +83,7 @@ class RunCritic:
                 [trajectories[i] for i in chunk],
                 [credit.returns[i] for i in chunk],
                 self.pad_token_id,
+                device,
             ).to(device)
             batches.append(batch)
             returns.append(batch.advantages_B_C)  # collate pads a per-token list: here, returns
@@ -91,6 +92,7 @@ class RunCritic:
                     [trajectories[i] for i in chunk],
                     [credit.old_values[i] for i in chunk],
                     self.pad_token_id,
+                    device,
                 ).advantages_B_C.to(device)
             )
         total_tokens = float(sum(trajectories[i].num_policy_tokens for i in rows))

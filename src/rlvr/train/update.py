@@ -195,7 +195,10 @@ class RankPlan:
         device: torch.device | None = None,
     ) -> TrainBatch:
         batch = collate(
-            [trajectories[i] for i in chunk], [token_advantages[i] for i in chunk], pad_token_id
+            [trajectories[i] for i in chunk],
+            [token_advantages[i] for i in chunk],
+            pad_token_id,
+            device,
         )
         return batch if device is None else batch.to(device)
 
