@@ -55,15 +55,21 @@ def isolating_sandbox() -> None:
 
 
 def processes_of(uid: int | None) -> list[int]:
-    """Processes running as `uid` right now (a run's uid is its own: other suites do not count).
-    Where runs are all `nobody` (no per-run uid), the host's own nobody daemons would count: none."""
-    if uid is None or not capabilities()["per_run_uid"]:
+    """Processes of runs alive right now: as root, those running as `uid` (a run's uid is its own:
+    other suites do not count; where runs are all `nobody`, the host's own nobody daemons would
+    count: none). Rootless, runs share this user's uid: this user's processes in a PID namespace
+    other than this one's (each run's init and what it started; a run in flight counts too)."""
+    rootless = runner_module.mode() == "rootless"
+    if uid is None or not (capabilities()["per_run_uid"] or rootless):
         return []
+    ours = os.readlink("/proc/self/ns/pid")
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if entry.stat().st_uid == uid:
+                if entry.stat().st_uid == uid and (
+                    not rootless or os.readlink(entry / "ns" / "pid") != ours
+                ):
                     pids.append(int(entry.name))
             except OSError:
                 continue
@@ -475,6 +481,27 @@ HOSTILE = {
         "    print(seen)\n"
         "    return 2 * x if seen != {1} else -1\n"
     ),
+    # Issue 38: rootless, the run's user namespace gives it every capability over its namespaces
+    # until the init drops them; as root, the uid change does.
+    "capabilities: held, or used to rename the host, take a file, become root": (
+        "import ctypes, os, socket\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def solve(x):\n"
+        "    status = dict(l.split(':', 1) for l in open('/proc/self/status') if l.startswith('Cap'))\n"
+        "    won = [k for k, v in status.items() if int(v, 16)]\n"
+        "    if libc.sethostname(b'pwned', 5) == 0 or socket.gethostname() != 'sandbox':\n"
+        "        won.append('hostname')\n"
+        "    open('/tmp/f', 'w').close()\n"
+        "    for call in (lambda: os.chown('/tmp/f', 0, 0), lambda: os.setuid(0),\n"
+        "                 lambda: os.setgroups([0]), lambda: os.chroot('/tmp')):\n"
+        "        try:\n"
+        "            call()\n"
+        "            won.append(call)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    print(won)\n"
+        "    return 2 * x if won else -1\n"
+    ),
     "clearing the parent-death signal, stopping the run's init": (
         "import ctypes, os, signal\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
@@ -497,7 +524,8 @@ def test_hostile_program_earns_nothing_and_is_contained(name: str, canary: Path)
     assert CANARY_VALUE not in result.stdout + result.stderr
     assert os.environ["RLVR_CANARY"] == CANARY_VALUE
     for path in ("/etc/rlvr_pwned", "/root/rlvr_pwned", "/work/rlvr_pwned"):
-        assert not Path(path).exists()
+        # lexists: False where this user may not look (/root, rootless), nor may the candidate
+        assert not os.path.lexists(path)
 
 
 @pytest.fixture()
@@ -564,8 +592,9 @@ def test_memory_limit_holds_for_the_whole_run_not_per_process() -> None:
 
 
 def test_a_thread_bomb_does_not_starve_a_concurrent_honest_run() -> None:
-    """Runs do not share a uid, so one run's processes do not count against another's limit."""
-    if not capabilities()["per_run_uid"]:
+    """Runs do not share a uid, so one run's processes do not count against another's limit;
+    rootless they do share one, but each run's user namespace has a process count of its own."""
+    if not capabilities()["per_run_uid"] and runner_module.mode() != "rootless":
         pytest.skip(f"runs share a uid here: {capability_details().get('per_run_uid')}")
     bomb = (
         "import threading, time\n"
@@ -681,6 +710,8 @@ def test_the_root_plan_never_hides_python_and_hides_every_site_packages(
     for packages in Path(python).glob("lib*/python*/*-packages"):
         assert str(packages) in hides
     assert secret in hides and str(PACKAGE.parent) not in hides  # not under a bind: not there
+    if not jail._inside(python, "/usr/local"):  # /usr/local is empty: no mount point shows in it
+        assert not [h for h in hides if h.startswith("/usr/local/")], hides
 
 
 def test_a_grandchild_cannot_report_after_the_deadline() -> None:
@@ -901,6 +932,7 @@ def test_without_a_required_layer_the_sandbox_refuses_to_run(
     with pytest.raises(SandboxUnavailable, match="RLVR_SANDBOX_UNISOLATED=1") as raised:
         run_tests(SOLUTION, "solve", TESTS)
     assert "minimal_root" in str(raised.value) and "\n" not in str(raised.value)
+    assert "rlvr sandbox serve" in str(raised.value) and "sandbox.url" in str(raised.value)
 
 
 def test_sandbox_check_reports_every_layer() -> None:
@@ -913,3 +945,6 @@ def test_sandbox_check_reports_every_layer() -> None:
     for layer in runner_module.LAYERS:
         assert layer in result.output
     assert "the sandbox runs here" in result.output
+    mode = runner_module.mode()
+    assert mode in ("root", "rootless") and f"mode: {mode}" in result.output
+    assert runner_module.MODE_DESCRIPTIONS[mode] in " ".join(result.output.split())

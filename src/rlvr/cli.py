@@ -728,25 +728,10 @@ def serve_command(
     uvicorn.run(app_, host=host, port=port, log_level="warning")
 
 
-sandbox_app = typer.Typer(help="The code sandbox.", no_args_is_help=True)
+# `rlvr sandbox check` and `rlvr sandbox serve` live with the sandbox (rlvr/sandbox/cli.py).
+from rlvr.sandbox.cli import sandbox_app  # noqa: E402
+
 app.add_typer(sandbox_app, name="sandbox")
-
-
-@sandbox_app.command("check")
-def sandbox_check_command() -> None:
-    """Which isolation layers the code sandbox gets on this host; exit 1 where it refuses to run."""
-    from rlvr.sandbox.runner import LAYER_DESCRIPTIONS, REQUIRED, capabilities, capability_details
-
-    have, details = capabilities(), capability_details()
-    for layer, description in LAYER_DESCRIPTIONS.items():
-        kind = "required" if layer in REQUIRED else "optional"
-        note = f": {details[layer]}" if layer in details else ""
-        print(f"{'yes' if have[layer] else 'NO ':<4}{layer:<19}{description} ({kind}){note}")
-    missing = [layer for layer in REQUIRED if not have[layer]]
-    if missing:
-        print(f"the sandbox refuses to run here (missing: {', '.join(missing)})")
-        raise typer.Exit(1)
-    print("the sandbox runs here, with every layer marked yes")
 
 
 def main() -> None:

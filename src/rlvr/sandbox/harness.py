@@ -9,10 +9,13 @@ the isolation (jail.py), becomes the run's own uid and calls the candidate's fun
 - keeper (host namespaces, root when the runner is): reads the job from the control socket,
   unshares a PID namespace, forks the init, puts it in the run's cgroup, tells it its uid, waits for
   it to exit or for the runner's "kill" (the deadline is kept by the runner), then answers "done"
-  with the exit status and what the init managed to set up.
+  with the exit status and what the init managed to set up. Rootless (the runner is not root), it
+  first enters a user namespace of the run's own that maps only the runner's uid (privileges.py),
+  which then owns the PID namespace and everything the init builds.
 - init (PID 1 of the run's namespace): new mount, network, IPC, UTS and cgroup namespaces, the
-  minimal root, the run's uid, rlimits, seccomp; then the candidate. When the init exits the
-  kernel kills every process left in the namespace, and the keeper's wait returns only after that.
+  minimal root, Landlock, rlimits, the run's uid (rootless: the runner's) and no capability,
+  seccomp; then the candidate. When the init exits the kernel kills every process left in the
+  namespace, and the keeper's wait returns only after that.
 
 Trust model: nothing the init writes is trusted. It only reports what the candidate's function
 *returned* for each input, as canonical JSON; the expected values never enter these processes, and
@@ -35,19 +38,19 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rlvr.sandbox import jail
-else:  # run as a script with -I: rlvr is not importable, jail.py is loaded from beside this file
+    from rlvr.sandbox import jail, privileges
+else:  # run as a script with -I: rlvr is not importable; the modules are loaded from beside it
 
-    def _load_jail() -> Any:
+    def _load(name: str) -> Any:
         import importlib.util
 
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail.py")
-        spec = importlib.util.spec_from_file_location("rlvr_sandbox_jail", path)
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"rlvr_sandbox_{name}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
 
-    jail = _load_jail()
+    jail, privileges = _load("jail"), _load("privileges")
 
 # Imported once in the zygote, so a run pays nothing for them. Common needs of function-writing
 # tasks, plus what the adversarial tests reach for; any other stdlib module is importable too (the
@@ -109,9 +112,11 @@ def zygote(socket_fd: int, secrets: list[str]) -> None:
     context: dict[str, Any] = {
         "zygote": os.getpid(),
         "socket_fd": socket_fd,
+        "rootless": not root,  # the run's namespaces are owned by a user namespace of its own
         "plan": jail.plan_root(secrets),
         "seccomp": jail.seccomp_program(),
-        "cgroups": jail.cgroup_layout() if root else "the runner is not root",
+        "landlock": privileges.landlock_abi(),
+        "cgroups": jail.cgroup_layout() if root else "the runner is not root (rootless mode)",
         "uid_range": root and jail.uid_range_is_mapped(),
         # Only mounted on inside each run's private mount namespace; empty on the host.
         "staging": tempfile.mkdtemp(prefix="rlvr-sandbox-root-"),
@@ -158,6 +163,8 @@ def keeper(fds: list[int], context: dict[str, Any]) -> None:
     pid_namespace = False
     if job["isolate"]:
         try:
+            if context["rootless"]:  # the PID namespace, and all the init makes, are owned by it
+                privileges.enter_user_namespace(os.getuid(), os.getgid())
             jail.unshare(jail.CLONE_NEWPID)
             pid_namespace = True
         except OSError as exc:
@@ -195,7 +202,14 @@ def keeper(fds: list[int], context: dict[str, Any]) -> None:
         end_with_the_zygote(signal.SIGTERM, None)
 
     uid = None
-    if os.geteuid() == 0:
+    if context["rootless"]:
+        if pid_namespace:  # in its user namespace: the runner's uid, without capabilities
+            uid = os.getuid()
+        why["per_run_uid"] = (
+            "rootless: one uid is mapped, the runner's (each run still has a process count of its "
+            "own: RLIMIT_NPROC is counted per user namespace)"
+        )
+    elif os.geteuid() == 0:
         uid = jail.RUN_UID_BASE + pid if context["uid_range"] else jail.NOBODY
         if not context["uid_range"]:
             why["per_run_uid"] = "uids above the run range are not mapped here; all runs are nobody"
@@ -283,20 +297,19 @@ def init(
                 have["minimal_root"] = have["private_proc"] = have["private_tmp"] = True
             except OSError as exc:
                 why["minimal_root"] = str(exc)
+        if have.get("minimal_root"):
+            _landlock(context, have, why)
         workdir = "/tmp" if have.get("minimal_root") else job.get("workdir") or "/"
-        if workdir != "/tmp" and uid is not None:  # unisolated: the runner's temp dir, made ours
-            os.chown(workdir, uid, uid)
+        if workdir != "/tmp" and uid is not None and not context["rootless"]:  # unisolated
+            os.chown(workdir, uid, uid)  # the runner's temp dir, made the run's
             os.chmod(workdir, 0o700)
         os.chdir(workdir)
-        for name, value in job["rlimits"].items():
+        for name, value in job["rlimits"].items():  # never above what the runner may set
+            hard = resource.getrlimit(getattr(resource, name))[1]
+            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
             resource.setrlimit(getattr(resource, name), (value, value))
         if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            have["unprivileged_user"] = True
-            have["per_run_uid"] = uid != jail.NOBODY
-            jail.set_parent_death_signal(signal.SIGKILL)  # a uid change clears it
+            _drop_privileges(uid, context["rootless"], have)
         else:
             why["unprivileged_user"] = "the runner is not root: the candidate runs as its user"
         if context["seccomp"] is None:
@@ -321,11 +334,66 @@ def init(
     os.dup2(err_fd, 2)
     os.dup2(res_fd, RESULT_FD)
     os.closerange(RESULT_FD + 1, 1 << 20)  # the zygote's socket, the control and status pipes
-    run_candidate(job["code"], job["entry"], job["inputs"])
+    status = 0
+    if job.get("program"):
+        status = run_program(job["code"])
+    else:
+        run_candidate(job["code"], job["entry"], job["inputs"])
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(BaseException):  # whatever the candidate made of them
             stream.flush()
-    os._exit(0)  # threads the candidate left running are not waited for: the kernel kills them
+    os._exit(status)  # threads the candidate left running are not waited for: the kernel kills them
+
+
+def run_program(code: str) -> int:
+    """A whole program, run as __main__ (SandboxFusion's run_code, served by `rlvr sandbox serve`):
+    its exit status is what it gave sys.exit, 1 for an uncaught exception (traceback on stderr)."""
+    try:
+        exec(compile(code, "<program>", "exec"), {"__name__": "__main__"})
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return (exc.code or 0) & 0xFF
+        with contextlib.suppress(BaseException):
+            print(exc.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        import traceback
+
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+        return 1
+    return 0
+
+
+def _landlock(context: dict[str, Any], have: dict[str, bool], why: dict[str, str]) -> None:
+    """File access limited to what the minimal root was built from (privileges.py)."""
+    abi = context["landlock"]
+    if isinstance(abi, str):
+        why["landlock"] = abi
+        return
+    read_only = [op[1] for op in context["plan"] if op[0] == "bind"] + ["/etc", "/proc"]
+    devices = [f"/dev/{name}" for name in jail.DEVICES]
+    try:
+        privileges.restrict_filesystem(abi, read_only, list(jail.SCRATCH_DIRS), devices)
+        have["landlock"], why["landlock"] = True, f"ABI {abi}"
+    except OSError as exc:
+        why["landlock"] = str(exc)
+
+
+def _drop_privileges(uid: int, rootless: bool, have: dict[str, bool]) -> None:
+    """Root: become the run's uid (which clears the capabilities). Rootless: the uid is already the
+    runner's; every capability the user namespace gave is dropped. Both: empty bounding set."""
+    privileges.drop_bounding_set()
+    if rootless:
+        privileges.drop_capabilities()
+    else:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        have["per_run_uid"] = uid != jail.NOBODY
+    privileges.check_no_capabilities()
+    have["unprivileged_user"] = True
+    jail.set_parent_death_signal(signal.SIGKILL)  # a uid or capability change clears it
 
 
 def run_candidate(code: str, entry: str, inputs: list[list[Any]]) -> None:

@@ -118,7 +118,12 @@ def plan_root(secrets: list[str]) -> list[Op]:
             and any(_inside(path, b) and path != b for b in binds)
             and not any(_inside(p, path) for p in prefixes)  # never hide python itself
             and not any(_inside(path, h) for h in hidden)
-            and (not _inside(path, "/usr/local") or any(_inside(path, p) for p in prefixes))
+            # under the empty /usr/local only what a prefix bound again there shows: a mount point
+            # made for anything else would show its name (python in /usr, as Debian's)
+            and (
+                not _inside(path, "/usr/local")
+                or any(_inside(path, p) and _inside(p, "/usr/local") for p in prefixes)
+            )
         ):
             ops.append(("hide", path))
             hidden.append(path)
@@ -129,14 +134,34 @@ def plan_root(secrets: list[str]) -> list[Op]:
 
 
 def _bind_read_only(source: str, target: str) -> None:
-    mount(source, target, None, MS_BIND)
-    mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    """In a user namespace (rootless) the host's mounts are locked: a bind of a tree with mounts
+    below it must take them along (MS_REC; each is then made read-only too), and a remount must
+    keep noexec where the host set it. As root neither applies and the first try succeeds."""
+    try:
+        mount(source, target, None, MS_BIND)
+        below = [target]
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        mount(source, target, None, MS_BIND | MS_REC)
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split()[4].encode().decode("unicode_escape") for line in f]
+        below = [p for p in points if _inside(p, target)]
+    for path in below:
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
+        mount(None, path, None, flags | _noexec(path))
+
+
+def _noexec(path: str) -> int:
+    return MS_NOEXEC if os.statvfs(path).f_flag & os.ST_NOEXEC else 0
 
 
 # Files a run may create per scratch directory. tmpfs's default is half the host's RAM in pages (3M
 # inodes on a 24 GiB host): empty files cost no `size` but ~1 KiB of kernel memory each, so a run
 # creating 140k files a second could take GiBs of the host's memory where no cgroup limits it.
 SCRATCH_INODES = 16384
+SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
 def _scratch(target: str, size: str) -> None:
@@ -174,14 +199,14 @@ def build_root(staging: str, ops: list[Op], uid: int) -> None:
             mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
             hides.append(path)
     os.makedirs(staging + "/dev", exist_ok=True)
-    for name in ("null", "zero", "full", "random", "urandom"):
+    for name in DEVICES:
         open(f"{staging}/dev/{name}", "w").close()
         mount(f"/dev/{name}", f"{staging}/dev/{name}", None, MS_BIND)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0")):
         os.symlink(target, f"{staging}/dev/{name}")
     os.symlink("/proc/self/fd/1", f"{staging}/dev/stdout")
     os.symlink("/proc/self/fd/2", f"{staging}/dev/stderr")
-    for path in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
+    for path in SCRATCH_DIRS:
         _scratch(staging + path, "64m")
     os.makedirs(staging + "/proc", exist_ok=True)
     mount("proc", staging + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)

@@ -9,7 +9,11 @@ host allows, and every later run must get all of it or is refused):
   prefix, no site-packages, no checkout, venv, /home, /root, /opt, /srv or datasets; a private
   /proc of the run's own PID namespace; private tmpfs on /tmp, /var/tmp, /dev/shm and /run/lock;
 - its own uid (from a range, when the runner is root), so RLIMIT_NPROC is not shared between
-  concurrent runs, and root-owned files and processes are out of reach;
+  concurrent runs, and root-owned files and processes are out of reach; no capability, in any set;
+- rootless (the runner is not root, issue 38): the same namespaces and minimal root, built in a
+  user namespace of each run's own that maps only the runner's uid (privileges.py); the candidate
+  runs as that user without capabilities, and the kernel counts its processes per namespace;
+- Landlock, where the kernel has it: no file access beyond the paths the minimal root is made of;
 - a cgroup per run (v2, or v1 memory + pids) whose memory and process limits hold for the whole run;
 - seccomp: no new namespaces, mount, ptrace, bpf, keyctl, io_uring, perf, modules, and no socket
   family the network namespace does not cover (AF_VSOCK reaches a VM's hypervisor);
@@ -53,17 +57,30 @@ UNISOLATED_ENV = "RLVR_SANDBOX_UNISOLATED"
 # Without these the sandbox refuses to run (the candidate could read the answers on disk, reach
 # the network or other processes); the others are reported and, when present, required too.
 REQUIRED = ("namespaces", "minimal_root", "private_proc", "private_tmp", "unprivileged_user")
-LAYERS = (*REQUIRED, "per_run_uid", "cgroup", "seccomp")
+LAYERS = (*REQUIRED, "per_run_uid", "cgroup", "seccomp", "landlock")
 LAYER_DESCRIPTIONS = {
     "namespaces": "own PID, network, mount, IPC, UTS and cgroup namespaces",
     "minimal_root": "read-only minimal root: interpreter and stdlib only",
     "private_proc": "/proc of the run's own PID namespace",
     "private_tmp": "private tmpfs on /tmp, /var/tmp, /dev/shm, /run/lock",
-    "unprivileged_user": "the candidate is not root",
+    "unprivileged_user": "the candidate is not root and holds no capability",
     "per_run_uid": "a uid of its own per run (RLIMIT_NPROC not shared)",
     "cgroup": "a cgroup per run: memory and process limits for the whole run",
     "seccomp": "seccomp: no namespaces, mount, ptrace, bpf, keyctl, io_uring, vsock",
+    "landlock": "Landlock: no file access beyond the minimal root's paths",
 }
+# What each mode is (`rlvr sandbox check` prints it). Rootless: privileges.py.
+MODE_DESCRIPTIONS = {
+    "root": "root: the layers are built as root; each run's candidate gets a uid of its own",
+    "rootless": (
+        "rootless: the layers are built in a user namespace of each run's own that maps only this "
+        "user's uid; the candidate runs as this user, without capabilities"
+    ),
+}
+SERVICE_HINT = (
+    "or send code to a sandbox service on a host where it runs: `rlvr sandbox serve` there and "
+    "sandbox.url (or RLVR_SANDBOX_URL) here"
+)
 FRAME = struct.Struct("!Q")
 
 
@@ -294,9 +311,12 @@ def _job(
     workdir: str | None = None,
 ) -> dict[str, Any]:
     # RLIMIT_NPROC counts every process of the (real) user: a root runner gives each run a uid of
-    # its own, so the budget is the run's alone; an unprivileged runner allows its current count
-    # plus the budget.
-    nproc = limits.max_processes + (0 if os.geteuid() == 0 else _user_process_count())
+    # its own, so the budget is the run's alone; an unprivileged runner running unisolated allows
+    # its current count plus the budget.
+    # Isolated without root, the run has a user namespace of its own, where the kernel counts its
+    # processes apart from the user's others (privileges.py).
+    shared = os.geteuid() != 0 and not isolate
+    nproc = limits.max_processes + (_user_process_count() if shared else 0)
     return {
         "code": code,
         "entry": entry,
@@ -333,7 +353,7 @@ def _probe() -> tuple[dict[str, bool], dict[str, str]]:
     if "error" in setup:
         return dict.fromkeys(LAYERS, False), {"namespaces": str(setup["error"])}
     have = {k: bool(setup.get("have", {}).get(k)) for k in LAYERS}
-    why = {k: str(v) for k, v in setup.get("why", {}).items() if not have.get(k)}
+    why = {k: str(v) for k, v in setup.get("why", {}).items() if not have.get(k) or k == "landlock"}
     if run.done.get("cgroup"):
         why["cgroup"] = f"cgroup {run.done['cgroup']}"
     if run.results.strip() != b'{"i": 0, "out": "1"}':
@@ -352,8 +372,67 @@ def capability_details() -> dict[str, str]:
     return dict(_probe()[1])
 
 
+def mode() -> str:
+    """ "root" or "rootless" where the sandbox runs here (MODE_DESCRIPTIONS), "unisolated" where it
+    cannot isolate and RLVR_SANDBOX_UNISOLATED=1 says to run anyway, else "refused"."""
+    if all(capabilities()[k] for k in REQUIRED):
+        return "root" if os.geteuid() == 0 else "rootless"
+    return "unisolated" if os.environ.get(UNISOLATED_ENV) == "1" else "refused"
+
+
 def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, allow_nan=False)
+
+
+def _layers() -> tuple[dict[str, bool], list[str]]:
+    """(what this host gives, the required layers it lacks); refuses where it lacks any."""
+    caps = capabilities()
+    missing = [k for k in REQUIRED if not caps.get(k)]
+    if missing and os.environ.get(UNISOLATED_ENV) != "1":
+        # Without these the candidate can read the answers on disk or reach the network: refuse
+        # rather than run model-written code that way.
+        raise SandboxUnavailable(
+            f"the code sandbox cannot isolate code on this host, as root nor rootless (missing: "
+            f"{', '.join(missing)}; see `rlvr sandbox check`); {SERVICE_HINT}; or set "
+            f"{UNISOLATED_ENV}=1 to run without isolation (unsafe)"
+        )
+    return caps, missing
+
+
+@dataclass
+class ProgramResult:
+    """One whole program's run (SandboxFusion's run_code): no tests, no verdict."""
+
+    exit_code: int | None  # None: killed at the deadline; negative: killed by that signal
+    stdout: str
+    stderr: str
+    timed_out: bool
+    seconds: float
+
+
+def run_program(code: str, limits: SandboxLimits | None = None) -> ProgramResult:
+    """Run `code` as a program (__main__) in the sandbox, with the same layers as run_tests."""
+    limits = (limits or SandboxLimits()).clamped()
+    caps, missing = _layers()
+    started = time.monotonic()
+    workdir = tempfile.mkdtemp(prefix="rlvr-sandbox-") if missing else None
+    require = [k for k in LAYERS if caps.get(k)]
+    job = _job(code, "", [], limits, not missing, require, workdir) | {"program": True}
+    try:
+        run = _execute(job, limits.wall_seconds)
+    finally:
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    setup = run.done.get("setup", {})
+    if "error" in setup and not run.timed_out:
+        raise SandboxUnavailable(f"the sandbox could not set up a run: {setup['error']}")
+    return ProgramResult(
+        exit_code=None if run.timed_out else run.done.get("exit"),
+        stdout=run.stdout.decode("utf-8", "replace"),
+        stderr=run.stderr.decode("utf-8", "replace"),
+        timed_out=run.timed_out,
+        seconds=time.monotonic() - started,
+    )
 
 
 def run_tests(
@@ -361,15 +440,7 @@ def run_tests(
 ) -> SandboxResult:
     """Run `code`, call `entry` on every test's args in the sandbox, and judge the outputs here."""
     limits = (limits or SandboxLimits()).clamped()
-    caps = capabilities()
-    missing = [k for k in REQUIRED if not caps.get(k)]
-    if missing and os.environ.get(UNISOLATED_ENV) != "1":
-        # Without these the candidate can read the answers on disk or reach the network: refuse
-        # rather than run model-written code that way.
-        raise SandboxUnavailable(
-            f"the code sandbox cannot isolate code on this host (missing: {', '.join(missing)}; "
-            f"see `rlvr sandbox check`); set {UNISOLATED_ENV}=1 to run without isolation (unsafe)"
-        )
+    caps, missing = _layers()
     started = time.monotonic()
     if not tests:
         return SandboxResult(0, 0, [], isolation=caps)
