@@ -50,14 +50,14 @@ def token_level_rewards(
     """
     mask = mask_B_T.float()
     B, T = mask.shape
-    rewards_B_T = torch.zeros(B, T, dtype=torch.float32)
+    rewards_B_T = torch.zeros(B, T, dtype=torch.float32, device=mask.device)
     has_policy_B = mask.sum(dim=1) > 0
     outcome = outcome_B.detach().float().reshape(B)
     if bool(((outcome != 0) & ~has_policy_B).any()):
         raise ValueError("an outcome reward on a row without policy tokens would be lost")
     # The last policy token: argmax of position * mask (0 for an empty row, whose outcome is 0).
-    last_B = (mask * torch.arange(1, T + 1, dtype=torch.float32)).argmax(dim=1)
-    rewards_B_T[torch.arange(B), last_B] += outcome
+    last_B = (mask * torch.arange(1, T + 1, dtype=torch.float32, device=mask.device)).argmax(dim=1)
+    rewards_B_T[torch.arange(B, device=mask.device), last_B] += outcome
     if turn_rewards is not None:
         if len(turn_rewards) != B:
             raise ValueError(f"turn_rewards has {len(turn_rewards)} rows, the batch {B}")
@@ -128,9 +128,9 @@ def gae_advantages(
     values = values_B_T.float()
     on_B_T = mask_B_T != 0
     B, T = rewards.shape
-    advantages_B_T = torch.zeros(B, T, dtype=torch.float32)
-    next_value_B = torch.zeros(B)
-    running_B = torch.zeros(B)
+    advantages_B_T = torch.zeros_like(rewards)
+    next_value_B = rewards.new_zeros(B)
+    running_B = rewards.new_zeros(B)
     # Reverse sweep; at a masked position the carried state (next value, running A) passes through
     # untouched, which is what skipping the position means.
     for t in range(T - 1, -1, -1):

@@ -21,7 +21,7 @@ def soft_overlong_penalty(
     last `buffer` tokens tells the policy *how* long is too long. `max_length` and `buffer` may be
     per-row tensors (multi-turn rows have their own limit).
     """
-    limit = torch.as_tensor(max_length, dtype=torch.float32)
-    cache = torch.as_tensor(buffer, dtype=torch.float32).clamp(min=1.0)
+    limit = torch.as_tensor(max_length, dtype=torch.float32, device=lengths_B.device)
+    cache = torch.as_tensor(buffer, dtype=torch.float32, device=lengths_B.device).clamp(min=1.0)
     over = (lengths_B.float() - (limit - cache)).clamp(min=0.0)
     return -penalty * torch.clamp(over / cache, max=1.0)

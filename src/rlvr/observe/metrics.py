@@ -31,8 +31,9 @@ def rollout_metrics(
     groups: Sequence[Group], rubric_names: Sequence[str], group_size: int
 ) -> dict[str, float]:
     trajs = flatten(groups)
-    rewards_B = torch.tensor([t.reward for t in trajs])
-    valid_B = torch.tensor([t.usable for t in trajs])
+    # Host bookkeeping: Python numbers in, Python floats out.
+    rewards_B = torch.tensor([t.reward for t in trajs], device="cpu")
+    valid_B = torch.tensor([t.usable for t in trajs], device="cpu")
     std_P = group_reward_std(rewards_B, valid_B, group_size)
     usable = [t for t in trajs if t.usable]
     lengths = [t.num_policy_tokens for t in trajs]

@@ -121,8 +121,8 @@ def total_steps(train: OfflineTrainConfig, num_items: int) -> int:
 
 @functools.lru_cache(maxsize=8)
 def _epoch_order(num_items: int, seed: int, epoch: int) -> tuple[int, ...]:
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return tuple(torch.randperm(num_items, generator=generator).tolist())
+    generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + epoch)  # host indices
+    return tuple(torch.randperm(num_items, generator=generator, device="cpu").tolist())
 
 
 def step_indices(step: int, batch_size: int, num_items: int, seed: int) -> list[int]:

@@ -325,21 +325,24 @@ def collate(
     """Right-padded batch of rows, each a list of examples (one, unless packed)."""
     width = max(sum(len(e) for e in row) for row in rows)
     batch = len(rows)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    positions = torch.zeros((batch, width), dtype=torch.long)
-    loss_mask = torch.zeros((batch, width), dtype=torch.float32)
+    # Staged on the host on purpose (row writes), one copy per tensor later (TokenBatch.to).
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long, device="cpu")
+    positions = torch.zeros((batch, width), dtype=torch.long, device="cpu")
+    loss_mask = torch.zeros((batch, width), dtype=torch.float32, device="cpu")
     # -1 marks padding; packed examples get 0, 1, 2, ... within their row.
-    segments = torch.full((batch, width), -1, dtype=torch.long)
+    segments = torch.full((batch, width), -1, dtype=torch.long, device="cpu")
     for b, row in enumerate(rows):
         start = 0
         for s, example in enumerate(row):
             end = start + len(example)
-            input_ids[b, start:end] = torch.tensor(example.input_ids)
-            loss_mask[b, start:end] = torch.tensor(example.loss_mask, dtype=torch.float32)
-            positions[b, start:end] = torch.arange(len(example))
+            input_ids[b, start:end] = torch.tensor(example.input_ids, device="cpu")
+            loss_mask[b, start:end] = torch.tensor(
+                example.loss_mask, dtype=torch.float32, device="cpu"
+            )
+            positions[b, start:end] = torch.arange(len(example), device="cpu")
             segments[b, start:end] = s
             start = end
-        positions[b, start:] = torch.arange(width - start)  # padding: its own segment
+        positions[b, start:] = torch.arange(width - start, device="cpu")  # padding: own segment
     packed = any(len(row) > 1 for row in rows)
     attention = (
         _block_causal_mask(segments, attn_implementation) if packed else (segments >= 0).long()
@@ -358,11 +361,12 @@ def _block_causal_mask(segments_B_T: torch.Tensor, attn_implementation: str) -> 
     if attn_implementation.startswith(("flash", "kernels")):
         return None
     width = segments_B_T.shape[1]
-    causal_T_T = torch.ones((width, width), dtype=torch.bool).tril()
+    causal_T_T = torch.ones((width, width), dtype=torch.bool, device=segments_B_T.device).tril()
     allowed_B_T_T = (segments_B_T[:, :, None] == segments_B_T[:, None, :]) & causal_T_T
     if attn_implementation == "eager":
         blocked = torch.finfo(torch.float32).min
-        return torch.zeros(allowed_B_T_T.shape).masked_fill(~allowed_B_T_T, blocked)[:, None]
+        zeros = torch.zeros(allowed_B_T_T.shape, device=segments_B_T.device)
+        return zeros.masked_fill(~allowed_B_T_T, blocked)[:, None]
     return allowed_B_T_T[:, None]
 
 
@@ -376,6 +380,7 @@ def split_heldout(n: int, fraction: float, seed: int) -> tuple[list[int], list[i
     """(train indices, held-out indices): a seeded shuffle, at least one row each when fraction > 0."""
     if fraction <= 0 or n < 2:
         return list(range(n)), []
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    shuffle = torch.Generator(device="cpu").manual_seed(seed)  # host indices, not model inputs
+    order = torch.randperm(n, generator=shuffle, device="cpu").tolist()
     k = min(n - 1, max(1, round(n * fraction)))
     return sorted(order[k:]), sorted(order[:k])

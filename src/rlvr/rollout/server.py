@@ -119,7 +119,7 @@ class ServerGenerator:
 
     # --------------------------------------------------------------------------------------- state
     def get_state(self) -> torch.Tensor:
-        return torch.tensor([self.seed, self.counter], dtype=torch.int64)
+        return torch.tensor([self.seed, self.counter], dtype=torch.int64, device="cpu")
 
     def set_state(self, state: torch.Tensor) -> None:
         if tuple(state.shape) != (2,):

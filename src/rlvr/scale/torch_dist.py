@@ -101,8 +101,8 @@ class DistContext:
         keys = sorted({k for part in names for k in part})
         if not keys:
             return {}
-        vector = torch.tensor([float(values.get(k, 0.0)) for k in keys], dtype=torch.float64)
-        vector = vector.to(self.device)
+        values_k = [float(values.get(k, 0.0)) for k in keys]
+        vector = torch.tensor(values_k, dtype=torch.float64, device=self.device)
         dist.all_reduce(vector, op=dist.ReduceOp.SUM)
         return dict(zip(keys, vector.tolist(), strict=True))
 
@@ -189,9 +189,8 @@ class DistContext:
         forwarded nothing), so every rank sends the same buffers. The scalars ride in the first buffer:
         one collective for a small model.
         """
-        extra = torch.tensor(list(scalars), dtype=torch.float32)
+        extra = torch.tensor(list(scalars), dtype=torch.float32, device=self.device)
         if self.fsdp:
-            extra = extra.to(self.device)
             dist.all_reduce(extra, op=dist.ReduceOp.SUM)
             return [float(v) for v in extra.tolist()]
         grads = [p.grad for p in params]

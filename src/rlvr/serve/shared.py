@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from fastapi.responses import JSONResponse
 
+from rlvr.devices import device_of
 from rlvr.serve.state import ServeState
 
 
@@ -37,7 +38,7 @@ def top_logprobs(
     """The k most likely tokens and their log-probs at each completion position (teacher-forced)."""
     if not completion_ids:
         return []
-    ids = torch.tensor([[*prompt_ids, *completion_ids]])
+    ids = torch.tensor([[*prompt_ids, *completion_ids]], device=device_of(state.model))
     logits = state.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
     logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)
     values, indices = logp.topk(k, dim=-1)

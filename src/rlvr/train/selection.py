@@ -4,6 +4,10 @@
 dynamic sampling; rlvr.algorithms.filtering) and `assign_credit` turns rewards into per-token
 advantages as `objective.credit` says (rlvr.algorithms.credit). Both are thin: the rules themselves
 are pure functions with hand-worked tests.
+
+Both run on the host (`HOST`): rewards, log-probs and masks arrive as Python numbers and leave as
+Python lists, a few floats per token; a GPU would add a launch and a wait per operation. The update
+puts the advantages on the model's device with the rest of the batch (rlvr.train.batch.collate).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from rlvr.algorithms.shaping import soft_overlong_penalty
 from rlvr.config import RunConfig
 from rlvr.records import Group, Trajectory, flatten
 
+HOST = torch.device("cpu")  # where credit assignment computes (module docstring)
+
 
 def collect_groups(
     cfg: RunConfig, sample_round: Callable[[], list[Group]]
@@ -54,8 +60,8 @@ def collect_groups(
         sampled.extend(groups)
         trajs = flatten(groups)
         std_P = group_reward_std(
-            torch.tensor([t.reward for t in trajs]),
-            torch.tensor([t.usable for t in trajs]),
+            torch.tensor([t.reward for t in trajs], device=HOST),
+            torch.tensor([t.usable for t in trajs], device=HOST),
             group_size,
         ).tolist()
         stds.extend(std_P)
@@ -88,10 +94,8 @@ class Credit:
 
 def _padded(rows: Sequence[Sequence[float]]) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(list(row), dtype=torch.float32)
-    return out
+    padded = [[float(v) for v in row] + [0.0] * (width - len(row)) for row in rows]
+    return torch.tensor(padded, dtype=torch.float32, device=HOST).reshape(len(rows), width)
 
 
 def _unpadded(tensor_B_T: torch.Tensor, rows: Sequence[Sequence[float]]) -> list[list[float]]:
@@ -132,12 +136,12 @@ def assign_credit(
             f"objective.credit {obj.credit!r} needs a group-relative estimator, not {estimator!r}"
         )
     metrics: dict[str, float] = {}
-    shaping_B = torch.zeros(len(trajectories))
+    shaping_B = torch.zeros(len(trajectories), device=HOST)
     if obj.overlong_buffer_fraction is not None:
         shaping_B = _overlong_shaping(trajectories, cfg)
         metrics["overlong/penalty_mean"] = float(shaping_B.mean())
         metrics["overlong/penalised_frac"] = float((shaping_B < 0).float().mean())
-    valid_B = torch.tensor([t.usable for t in trajectories])
+    valid_B = torch.tensor([t.usable for t in trajectories], device=HOST)
     masks = [[float(m) for m in t.policy_mask[t.prompt_length :]] for t in trajectories]
     kl_rows: list[list[float]] | None = None
     if ref_logprobs is not None and obj.beta > 0:
@@ -149,9 +153,11 @@ def assign_credit(
             if not t.usable:
                 kl_rows.append([0.0] * len(mask))
                 continue
-            behaviour = torch.tensor(t.logprobs[t.prompt_length :], dtype=torch.float32)
-            kl = kl_fn(behaviour, torch.tensor(list(ref), dtype=torch.float32))
-            kl_rows.append(zero_outside(kl, torch.tensor(mask)).tolist())
+            behaviour = torch.tensor(
+                t.logprobs[t.prompt_length :], dtype=torch.float32, device=HOST
+            )
+            kl = kl_fn(behaviour, torch.tensor(list(ref), dtype=torch.float32, device=HOST))
+            kl_rows.append(zero_outside(kl, torch.tensor(mask, device=HOST)).tolist())
         n_tokens = sum(sum(m) for t, m in zip(trajectories, masks, strict=True) if t.usable)
         metrics["kl"] = sum(sum(r) for r in kl_rows) / max(n_tokens, 1.0)
 
@@ -185,9 +191,10 @@ def assign_credit(
         adv_B_T = whiten(returns_B_T, mask_B_T) if obj.whiten_advantages else returns_B_T
         return Credit(_unpadded(zero_outside(adv_B_T, mask_B_T), masks), metrics=metrics)
 
-    rewards_B = torch.tensor([t.reward for t in trajectories], dtype=torch.float32) + shaping_B
+    rewards = [t.reward for t in trajectories]
+    rewards_B = torch.tensor(rewards, dtype=torch.float32, device=HOST) + shaping_B
     if kl_rows is not None:
-        rewards_B = rewards_B - obj.beta * torch.tensor([sum(r) for r in kl_rows])
+        rewards_B = rewards_B - obj.beta * torch.tensor([sum(r) for r in kl_rows], device=HOST)
     advantages_B = ADVANTAGE_ESTIMATORS[estimator](
         rewards_B, valid_B, group_size, scale_rewards=obj.scale_rewards
     ).tolist()
@@ -274,7 +281,10 @@ def _overlong_shaping(trajectories: Sequence[Trajectory], cfg: RunConfig) -> tor
         limit = cfg.sampling.max_new_tokens if single else cfg.rollout.max_total_tokens
         lengths.append(t.num_policy_tokens if single else len(t.token_ids) - t.prompt_length)
         limits.append(limit)
-    limits_B = torch.tensor(limits, dtype=torch.float32)
+    limits_B = torch.tensor(limits, dtype=torch.float32, device=HOST)
     return soft_overlong_penalty(
-        torch.tensor(lengths), limits_B, limits_B * fraction, cfg.objective.overlong_penalty
+        torch.tensor(lengths, device=HOST),
+        limits_B,
+        limits_B * fraction,
+        cfg.objective.overlong_penalty,
     )
