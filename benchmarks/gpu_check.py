@@ -7,7 +7,7 @@ One GPU machine, no network, about 8 minutes. Models are built from configs ship
 (tests/data/configs/*.json, random weights, the tiny character tokenizer: no hub), and each part
 stops being started once the time budget runs low (what was skipped is recorded, never hidden):
 1. the tests marked `cuda` (tests/test_cuda.py: placement, greedy tokens equal to the CPU's, a step
-   of every algorithm);
+   of every algorithm; tests/test_sampler_device.py: sampling on the GPU);
 2. the tiny model trained 2 steps with every RL algorithm on the GPU, single- and multi-turn;
 3. random-weight models shaped like Qwen2.5-1.5B (full fine-tuning in bf16 and fp32, LoRA in bf16)
    and, if time allows, Qwen2.5-7B with LoRA: 3 RL steps each, step time split into rollout and
@@ -102,7 +102,7 @@ def run_cuda_tests(clock: Clock) -> dict[str, Any]:
     try:
         done = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-             str(REPO / "tests" / "test_cuda.py")],
+             str(REPO / "tests" / "test_cuda.py"), str(REPO / "tests" / "test_sampler_device.py")],
             cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env,
         )  # fmt: skip
         tail = (done.stdout + done.stderr).strip().splitlines()
