@@ -112,6 +112,7 @@ def test_two_ranks_take_the_single_process_step(
     skip = {
         "perf/update_gflops",
         "perf/update_gflops_per_s",
+        "update/micro_batches",  # this rank's forwards, by definition fewer than one process's
     }  # rank shards share prompts differently
     assert set(got["metrics"]) == set(want["metrics"])
     for key, value in want["metrics"].items():

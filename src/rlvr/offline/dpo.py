@@ -26,6 +26,7 @@ import torch
 
 from rlvr.algorithms.preference import dpo_loss, sequence_logps
 from rlvr.build import use_bf16
+from rlvr.devices import device_of
 from rlvr.models import load_policy
 from rlvr.offline.common import (
     StageResult,
@@ -84,7 +85,8 @@ def pair_logps(
             chosen.append(logps_2B[: len(chunk)])
             rejected.append(logps_2B[len(chunk) :])
     if not chosen:
-        return torch.zeros(0), torch.zeros(0)
+        empty = torch.zeros(0, device=device_of(model))
+        return empty, empty.clone()
     return torch.cat(chosen), torch.cat(rejected)
 
 
