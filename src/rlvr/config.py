@@ -578,6 +578,29 @@ class TrackingConfig(_Section):
         return [n for n in names if n != "trackio" or self.trackio]
 
 
+class SandboxConfig(_Section):
+    """Where model-written code runs (code_tests, the code env): here, or on a sandbox service."""
+
+    url: str | list[str] | None = Field(
+        None,
+        description="Sandbox service URL(s) (`rlvr sandbox serve`, or SandboxFusion with "
+        "api: sandboxfusion): code is sent there, spread across the URLs, instead of run here. "
+        "None: RLVR_SANDBOX_URL if set, else this host's sandbox (`rlvr sandbox check`).",
+    )
+    api: Literal["rlvr", "sandboxfusion"] = Field(
+        "rlvr", description="rlvr: /v1/run_tests; sandboxfusion: SandboxFusion's /run_code."
+    )
+    api_key: str | None = Field(
+        None, description="Sent as 'Authorization: Bearer KEY'; default RLVR_SANDBOX_API_KEY."
+    )
+    timeout_seconds: float = Field(
+        300.0,
+        gt=0.0,
+        description="Longest one check may take, queueing and retries included; past it, or on "
+        "any answer that is not a verdict, the reward is an error (never a 0).",
+    )
+
+
 class WatchdogConfig(_Section):
     """Per-phase deadlines (seconds; 0 = not watched). A phase that runs past its deadline gets every
     thread's stack written to RUN_DIR/hang_stacks.txt, a message naming the phase, and the process
@@ -973,6 +996,7 @@ class RunConfig(_Section):
     monitors: MonitorsConfig = MonitorsConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
+    sandbox: SandboxConfig = SandboxConfig()
     output_dir: str = Field(
         "runs/latest",
         description="RUN_DIR: metrics, checkpoints, config. A relative path is taken from the "

@@ -23,7 +23,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import rlvr.sandbox.runner as runner
@@ -38,6 +38,7 @@ BUILTIN_EXCEPTIONS = frozenset(
 # Less than this left of the budget: the hidden run could not even start an interpreter.
 MIN_HIDDEN_SECONDS = 0.1
 NOT_RUN = "not run"
+OneRun = Callable[[str, str, Sequence[TestCase], SandboxLimits | None], SandboxResult]
 
 
 @dataclass
@@ -72,11 +73,14 @@ def run_tests(
     limits: SandboxLimits | None = None,
     *,
     skip_hidden_after_visible_failure: bool = False,
+    one_run: OneRun | None = None,
 ) -> SuiteResult:
     """Run the visible tests, then the hidden ones in a separate sandbox (see the module docstring).
     With `skip_hidden_after_visible_failure` (a reward that only asks "did all pass?") a visible
-    failure ends the check: the hidden tests are "not run" and cost no second sandbox."""
+    failure ends the check: the hidden tests are "not run" and cost no second sandbox. `one_run`
+    is one sandbox run, this process's by default (client.py passes a SandboxFusion server's)."""
     limits = limits or SandboxLimits()
+    run_one = one_run or runner.run_tests
     started = time.monotonic()
     visible_at = [i for i, t in enumerate(tests) if not t.hidden]
     hidden_at = [i for i, t in enumerate(tests) if t.hidden]
@@ -85,7 +89,7 @@ def run_tests(
     hidden: SandboxResult | None = None
     hidden_timed_out = False
     if visible_at or not tests:  # no tests at all: the runner still says whether it could run
-        visible = runner.run_tests(code, entry, [tests[i] for i in visible_at], limits)
+        visible = run_one(code, entry, [tests[i] for i in visible_at], limits)
         for i, outcome in zip(visible_at, visible.outcomes, strict=True):
             outcomes[i] = outcome
     if hidden_at:
@@ -100,7 +104,7 @@ def run_tests(
             hidden_timed_out = True  # the budget went on the visible tests: hidden stay "missing"
         else:
             budget = dataclasses.replace(limits, wall_seconds=left)
-            hidden = runner.run_tests(code, entry, [tests[i] for i in hidden_at], budget)
+            hidden = run_one(code, entry, [tests[i] for i in hidden_at], budget)
             hidden_timed_out = hidden.timed_out
             for i, outcome in zip(hidden_at, hidden.outcomes, strict=True):
                 outcomes[i] = hidden_outcome(outcome)

@@ -24,6 +24,7 @@ from rlvr.envs import Env, EnvFamily, SingleTurnEnv, get_env_family
 from rlvr.errors import ConfigError
 from rlvr.records import Task
 from rlvr.rollout.engine import Scoring
+from rlvr.sandbox.client import configure as configure_sandbox
 from rlvr.tasks import TaskSampler, TaskSplits, load_tasks
 
 
@@ -97,6 +98,10 @@ class Sources:
         components = cfg.components()
         if tasks is not None and len(components) > 1:
             raise ConfigError("train(tasks=...) replaces a single task source, not a mixture")
+        # Code runs here or on the sandbox service of `sandbox.url` (in this process and, through
+        # the environment, in Ray workers and other children).
+        sandbox = cfg.sandbox
+        configure_sandbox(sandbox.url, sandbox.api, sandbox.api_key, sandbox.timeout_seconds)
         self.by_name: dict[str, Source] = {
             c.name: _build_source(c, cfg, config_dir, tasks) for c in components
         }
