@@ -167,6 +167,9 @@ def test_requests_without_the_key_get_401(monkeypatch: pytest.MonkeyPatch) -> No
                 ("POST", "/v1/run_tests", body),
                 ("POST", "/run_code", {"code": "print(1)", "language": "python"}),
                 ("GET", "/v1/health", None),
+                ("GET", "/docs", None),
+                ("GET", "/openapi.json", None),
+                ("GET", "/no/such/path", None),
             ):
                 answer = httpx.request(method, url + path, json=payload, headers=headers)
                 assert answer.status_code == 401, (headers, path, answer.text)

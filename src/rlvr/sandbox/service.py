@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -201,20 +201,22 @@ def create_app(workers: int = 2, queue: int = 64, api_key: str | None = None) ->
         finally:
             await pool.close()
 
-    app = FastAPI(title="rlvr sandbox", lifespan=lifespan)
+    # No /docs or /openapi.json: every path, known or not, answers 401 without the key.
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pool = pool
 
-    def authorized(authorization: str | None = Header(None)) -> None:
-        if api_key is None:
-            return
-        scheme, _, given = (authorization or "").partition(" ")
-        right = hmac.compare_digest(given.strip().encode(), api_key.encode())
-        if scheme.lower() != "bearer" or not right:
-            raise HTTPException(
-                401,
-                "a valid API key is required: 'Authorization: Bearer KEY'",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+    @app.middleware("http")
+    async def authorized(request: Request, call_next: Any) -> Any:
+        if api_key is not None:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            right = hmac.compare_digest(given.strip().encode(), api_key.encode())
+            if scheme.lower() != "bearer" or not right:
+                return JSONResponse(
+                    {"error": "a valid API key is required: 'Authorization: Bearer KEY'"},
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        return await call_next(request)
 
     async def call(request: dict[str, Any], wall: float) -> dict[str, Any] | JSONResponse:
         try:
@@ -222,7 +224,7 @@ def create_app(workers: int = 2, queue: int = 64, api_key: str | None = None) ->
         except ServiceFull as exc:
             return JSONResponse({"error": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
-    @app.post("/v1/run_tests", dependencies=[Depends(authorized)])
+    @app.post("/v1/run_tests")
     async def run_tests(body: RunTestsRequest) -> Any:
         request = {"op": "run_tests", **body.model_dump()}
         try:
@@ -234,7 +236,7 @@ def create_app(workers: int = 2, queue: int = 64, api_key: str | None = None) ->
             return JSONResponse(answer, status_code=status)
         return answer
 
-    @app.post("/run_code", dependencies=[Depends(authorized)])
+    @app.post("/run_code")
     async def run_code(body: RunCodeRequest) -> Any:
         if body.language not in ("python", "python3") or body.stdin or body.files:
             return _fusion_error("only language 'python', without stdin or files, is served here")
@@ -267,7 +269,7 @@ def create_app(workers: int = 2, queue: int = 64, api_key: str | None = None) ->
             "files": {},
         }
 
-    @app.get("/v1/health", dependencies=[Depends(authorized)])
+    @app.get("/v1/health")
     async def health() -> dict[str, Any]:
         return {
             "mode": pool.info.get("mode"),
