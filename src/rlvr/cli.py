@@ -161,6 +161,44 @@ def _print_summary(summary: object, trackio_project: str | None) -> None:
         raise typer.Exit(3)
 
 
+@app.command("plan")
+def plan_command(
+    config: Annotated[Path, typer.Argument(help="YAML config (see examples/).")],
+    gpus: Annotated[
+        int, typer.Option("--gpus", min=1, help="GPUs the run uses (torchrun --nproc_per_node).")
+    ] = 1,
+    gpu_memory: Annotated[
+        float | None,
+        typer.Option(
+            "--gpu-memory",
+            help="GiB per GPU (plans a GPU run). Default: the CUDA device found here, else the "
+            "host's MemAvailable for a CPU run.",
+        ),
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override: key.sub=value (repeatable).")
+    ] = None,
+    prompt_tokens: Annotated[
+        int | None,
+        typer.Option("--prompt-tokens", min=1, help="Longest prompt (default: rendered or 256)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Will it fit? The peak memory per device of CONFIG's run (weights, gradients, optimizer,
+    activations, logits, KV cache), before loading any weights, and the smallest change that makes
+    it fit. Exit 0 when it fits, 1 when it does not."""
+    from rlvr.config import load_config
+
+    cfg = load_config(config, list(set_ or []))
+    _quiet_libraries()
+    from rlvr.plan import dumps, estimate
+
+    plan = estimate(cfg, gpus=gpus, gpu_memory_gb=gpu_memory, prompt_tokens=prompt_tokens)
+    typer.echo(dumps(plan) if as_json else plan.table())
+    if plan.fits is False:
+        raise typer.Exit(1)
+
+
 @app.command("eval")
 def eval_command(
     model: Annotated[
