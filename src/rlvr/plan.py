@@ -462,7 +462,7 @@ def _estimate(cfg: RunConfig, s: ModelShape, kind: str, gpus: int, lp: int, how:
 
     # -- rollout and eval
     adapted = s.layers * sum(fi * fo for _, fi, fo, _ in s.linears())
-    merged = 4 * adapted if lora and path == "hf" else 0
+    merged = 4 * adapted if lora and path == "hf" and kind != "cuda" else 0  # CPU-only merging
     sampler_rows = min(rows, max(1, SAMPLER_MAX_ROWS // g) * g)
     for phase, n_rows, new in (
         ("rollout", 0 if cfg.distributed.ray else sampler_rows, c),  # Ray samples elsewhere

@@ -67,6 +67,7 @@ from rlvr.observe.progress import Progress
 from rlvr.observe.trackers import require_trackers
 from rlvr.observe.tracking import NullTracker, Tracker, read_metrics
 from rlvr.observe.watchdog import Watchdog, watch
+from rlvr.plan import check_fits
 from rlvr.records import flatten
 from rlvr.rollout.generator import SamplingParams
 from rlvr.tasks import TaskSplits
@@ -145,6 +146,9 @@ def train(
         raise ConfigError("--resume under distributed.strategy fsdp is not supported yet; use ddp")
     sources = Sources(cfg, config_dir, tasks)
     curriculum = Curriculum(cfg, sources, tasks)  # levels / scheduled weights (train/curriculum.py)
+    # Before any weights load: a run that cannot fit on its GPU is refused with the smallest change
+    # that fits (rlvr plan), not an out-of-memory error an hour in; on the CPU it only warns.
+    check_fits(cfg, resolve_device(cfg.model.device))
     policy = build_policy(cfg)
     device = device_of(policy.model)
     enable_tf32(device)  # the fp32 matmuls left on a GPU (a no-op on the CPU)
