@@ -1,5 +1,8 @@
 """`rlvr plan`: a run's peak memory per device, from its config and the model's config.json alone.
 
+Over the 500-line guide: the estimate's formulas and the advice search read together; its docstring
+holds the formulas (~45 lines).
+
 Nothing is loaded but config.json (and, for the prompt length, a local tokenizer). Notation: P
 parameters, T trainable, H hidden, I intermediate, A = heads x head_dim, K = kv_heads x head_dim,
 V vocabulary, L layers; B rows of a micro-batch, G group size, Lp prompt and C completion tokens,

@@ -1,6 +1,9 @@
 """The isolation layers the sandbox builds as root before a candidate runs: the minimal root, the
 seccomp filter and the per-run cgroup.
 
+Over the 500-line guide by a few lines: the minimal root, seccomp and the cgroup are one threat
+model read together; a split is due when it grows.
+
 Loaded by harness.py by path (the zygote runs as `python -I -S harness.py`, so neither rlvr nor any
 site-packages is importable there): standard library only. Every function either does its whole job
 or raises OSError saying what failed; harness.py decides which failures are fatal (the layers the

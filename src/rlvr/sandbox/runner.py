@@ -1,5 +1,8 @@
 """Run model-written code against tests in a sandbox; the verdict is computed here, never there.
 
+Over the 500-line guide by a few lines: the zygote protocol and the verdict it computes are kept in
+one reading; split when it grows.
+
 Isolation, layer by layer (harness.py and jail.py build it; `capabilities()` probes once what this
 host allows, and every later run must get all of it or is refused):
 - namespaces: each run is PID 1 of its own PID namespace (when it exits the kernel kills every

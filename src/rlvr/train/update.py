@@ -1,5 +1,8 @@
 """The policy update: micro-batched forward/backward of the clipped surrogate and its guard rails.
 
+Over the 500-line guide: micro-batch planning (RankPlan, micro_batches) and the update share one
+reading; they are the first thing to move out (issue 37).
+
     loss_t = w_t * L_pg(r_t, A_t) + beta * KL_est(pi || pi_ref)_t - c_H * H_t  [+ KL(pi || teacher)_t]
 
 L_pg is the algorithm's policy loss (PPO-clip, GSPO, CISPO; rlvr.algorithms.losses), w_t the truncated
