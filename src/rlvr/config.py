@@ -503,6 +503,16 @@ class TrainConfig(_Section):
         True,
         description="Run each prompt once per micro-batch and reuse its KV cache for its samples.",
     )
+    padding_free: bool | Literal["auto"] = Field(
+        "auto",
+        description="Where a micro-batch's rows run whole (gradient checkpointing on, or "
+        "share_prompt_prefix off), lay them end to end in one sequence with position ids that "
+        "restart per row instead of padding them to the longest (rlvr.train.packing; exact: "
+        "block-diagonal attention, checked once per model). auto = with a variable-length "
+        "attention kernel (flash_attention_2/3) only: with sdpa or eager the packed rows get an "
+        "(N x N) mask whose attention costs N^2 (measured in docs/performance.md). A packed "
+        "micro-batch counts its real tokens against max_tokens_per_micro_batch.",
+    )
     fused_logprobs: bool | Literal["auto"] = Field(
         "auto",
         description="Token log-probs and entropies from hidden states a chunk at a time, never "

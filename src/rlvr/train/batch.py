@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from transformers import DynamicCache
 
 from rlvr.records import Trajectory
 from rlvr.train.fused_logprobs import fusable_head, plain_head, token_logprobs_from_hidden
+from rlvr.train.packing import PackedRows, pack_rows, packed_outputs, packing_is_exact
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class TrainBatch:
     completion_ids_B_C / completion_mask_B_C: right-padded completion regions (the targets).
     mask_B_C: 1 where the policy sampled the token, the only positions that get gradient.
     behaviour_logprobs_B_C: the generator's log-probs; advantages_B_C: per-token advantages.
+    packed: the same rows laid end to end without padding (`collate(pack=True)`,
+    rlvr.train.packing), for the padding-free forward; None when not asked for.
     """
 
     prompt_ids_P_Lp: torch.Tensor
@@ -46,6 +49,7 @@ class TrainBatch:
     mask_B_C: torch.Tensor
     behaviour_logprobs_B_C: torch.Tensor
     advantages_B_C: torch.Tensor
+    packed: PackedRows | None = None
 
     @property
     def completion_width(self) -> int:
@@ -55,9 +59,19 @@ class TrainBatch:
         """The batch on `device` (a no-op when `collate` was given it: the usual case)."""
         if self.completion_ids_B_C.device == device:
             return self
-        return TrainBatch(
-            *(getattr(self, f.name).to(device, non_blocking=True) for f in fields(TrainBatch))
-        )
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=True)
+            for f in fields(TrainBatch)
+            if f.name != "packed"
+        }
+        if self.packed is not None:
+            moved["packed"] = PackedRows(
+                *(
+                    getattr(self.packed, f.name).to(device, non_blocking=True)
+                    for f in fields(PackedRows)
+                )
+            )
+        return replace(self, **moved)
 
 
 def collate(
@@ -65,10 +79,13 @@ def collate(
     token_advantages: Sequence[Sequence[float]],
     pad_token_id: int,
     device: torch.device | str | None = None,
+    *,
+    pack: bool = False,
 ) -> TrainBatch:
     """Pad trajectories into the layout above. `token_advantages[i]` has one value per completion
     token. Rows are padded as Python lists and each tensor is made once, on `device` (the model's:
-    one host-to-device copy per tensor, none per row; None: the host)."""
+    one host-to-device copy per tensor, none per row; None: the host). `pack` also lays the rows
+    out end to end for the padding-free forward (`TrainBatch.packed`)."""
     prompts: dict[tuple[int, ...], int] = {}
     row_prompt = []
     for traj in trajectories:
@@ -96,6 +113,14 @@ def collate(
         return torch.tensor(rows, dtype=torch.float32, device=device)
 
     mask_B_C = floats(mask)
+    packed = None
+    if pack:
+        packed = pack_rows(
+            [list(t.token_ids[: t.prompt_length]) for t in trajectories],
+            [list(t.token_ids[t.prompt_length :]) for t in trajectories],
+            width,
+            torch.device("cpu") if device is None else torch.device(device),
+        )
     return TrainBatch(
         longs(prompt_ids),
         longs(prompt_mask),
@@ -106,6 +131,7 @@ def collate(
         floats(behaviour),
         # Selected, not multiplied: a non-finite advantage outside the mask must not survive as nan.
         torch.where(mask_B_C != 0, floats(advantages), 0.0),
+        packed,
     )
 
 
@@ -176,15 +202,21 @@ def token_distributions(
     fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`token_logprobs` plus, when `with_full`, the whole next-token log-distribution (B, C, V) at each
-    completion position (distillation compares it with a teacher's; that needs the plain path)."""
-    # Gradient checkpointing makes HF drop the KV cache in training mode, so the shared prefix cannot
-    # be carried to the completions: take the plain path then.
-    checkpointing = model.training and _activation_checkpointing(model)
-    shared = share_prefix and not checkpointing
+    completion position (distillation compares it with a teacher's; that needs the plain path).
+
+    The path: the shared-prompt one when `share_prefix` and it can run (`takes_shared_path`); else
+    the padding-free one when the batch was collated with `pack` and the model keeps packed rows
+    apart (rlvr.train.packing); else each row padded."""
+    shared = takes_shared_path(model, share_prefix)
+    packed = batch.packed if not shared and batch.packed is not None else None
+    if packed is not None and not packing_is_exact(model):
+        packed = None
     head_V_H = fusable_head(model) if fused and not with_full else None
     with autocast_context(bf16, batch.completion_ids_B_C.device.type):
         if shared:
             pieces = _shared_prefix_outputs(model, batch, hidden=head_V_H is not None)
+        elif packed is not None:
+            pieces = [packed_outputs(model, packed, hidden=head_V_H is not None)]
         else:
             pieces = [_plain_outputs(model, batch, hidden=head_V_H is not None)]
     targets_B_C = batch.completion_ids_B_C
@@ -225,6 +257,13 @@ def token_distributions(
     if with_full:
         full_B_C_V = fulls[0] if len(fulls) == 1 else torch.cat(fulls, dim=1)
     return logprobs_B_C, entropy_B_C, full_B_C_V
+
+
+def takes_shared_path(model: Any, share_prefix: bool) -> bool:
+    """Whether a forward of `model` runs each prompt once (`share_prefix`). Gradient checkpointing
+    makes HF drop the KV cache in training mode, so the shared prefix cannot be carried to the
+    completions: the rows then run whole (padded, or packed)."""
+    return share_prefix and not (model.training and _activation_checkpointing(model))
 
 
 def _entropy(logprobs_B_c_V: torch.Tensor, rows_per_chunk: int = 4) -> torch.Tensor:

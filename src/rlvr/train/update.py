@@ -44,6 +44,7 @@ from rlvr.train.batch import (
     token_distributions,
     token_logprobs,
 )
+from rlvr.train.packing import packing_wanted
 
 
 def micro_batches(
@@ -51,26 +52,31 @@ def micro_batches(
     indices: Sequence[int],
     size: int,
     max_tokens: int | None = None,
+    *,
+    packed: bool = False,
 ) -> list[list[int]]:
     """Split `indices` into micro-batches of at most `size` rows: rows of one prompt together (its
     forward pass is shared), similar lengths together (less padding). With `max_tokens`
     (`train.max_tokens_per_micro_batch`) a micro-batch also holds at most that many padded tokens,
     counted as rows x its longest row (prompt + completion: an upper bound on what the forward holds
-    activations for); a row longer than the cap goes alone."""
+    activations for), or with `packed` (rows laid end to end, rlvr.train.packing) as the sum of the
+    rows' lengths; a row longer than the cap goes alone."""
     ordered = prompt_order(trajectories, indices)
     if max_tokens is None:
         return [ordered[s : s + size] for s in range(0, len(ordered), size)]
     chunks: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    longest = total = 0
     for i in ordered:
         length = len(trajectories[i].token_ids)
         widest = max(longest, length)
-        if current and (len(current) + 1 > size or (len(current) + 1) * widest > max_tokens):
+        tokens = total + length if packed else (len(current) + 1) * widest
+        if current and (len(current) + 1 > size or tokens > max_tokens):
             chunks.append(current)
-            current, widest = [], length
+            current, widest, total = [], length, 0
         current.append(i)
         longest = widest
+        total += length
     if current:
         chunks.append(current)
     return chunks
@@ -160,6 +166,7 @@ class RankPlan:
     padding: list[int]
     share_prefix: bool
     fused: bool
+    packed: bool = False
 
     @classmethod
     def make(
@@ -172,14 +179,20 @@ class RankPlan:
         fused: bool = True,
         *,
         max_tokens: int | None = None,
+        packed: bool = False,
     ) -> RankPlan:
+        """`packed`: the micro-batches run their rows end to end (rlvr.train.packing) wherever they
+        run whole; their token cap then counts real tokens."""
         if dist is None:
-            return cls(micro_batches(trajectories, rows, size, max_tokens), [], share_prefix, fused)
+            chunks = micro_batches(trajectories, rows, size, max_tokens, packed=packed)
+            return cls(chunks, [], share_prefix, fused, packed)
         shards = shard_rows(trajectories, rows, dist.world_size)
-        chunks = micro_batches(trajectories, shards[dist.rank], size, max_tokens)
+        chunks = micro_batches(trajectories, shards[dist.rank], size, max_tokens, packed=packed)
         padding: list[int] = []
         if dist.fsdp and rows:
-            steps = max(len(micro_batches(trajectories, s, size, max_tokens)) for s in shards)
+            steps = max(
+                len(micro_batches(trajectories, s, size, max_tokens, packed=packed)) for s in shards
+            )
             padding = [min(rows, key=lambda i: len(trajectories[i].token_ids))]
             chunks += [padding] * (steps - len(chunks))  # the same list object: `is` finds it
             short = any(
@@ -187,7 +200,7 @@ class RankPlan:
             )
             share_prefix = share_prefix and not short
             fused = False
-        return cls(chunks, padding, share_prefix, fused)
+        return cls(chunks, padding, share_prefix, fused, packed)
 
     def collate(
         self,
@@ -202,6 +215,7 @@ class RankPlan:
             [token_advantages[i] for i in chunk],
             pad_token_id,
             device,
+            pack=self.packed,
         )
         return batch if device is None else batch.to(device)
 
@@ -214,6 +228,14 @@ def use_fused_logprobs(cfg: RunConfig) -> bool:
     if setting != "auto":
         return bool(setting)
     return cfg.model.lora.enabled or device_or_cpu(cfg.model.device).type == "cuda"
+
+
+def packs_rows(cfg: RunConfig, model: Any, *, training: bool) -> bool:
+    """Whether micro-batches are collated packed (`train.padding_free`, rlvr.train.packing): only
+    where their rows run whole, i.e. the shared-prompt path is off, or gradient checkpointing turns it
+    off (in training mode only: HF keeps the KV cache in eval mode)."""
+    whole = not cfg.train.share_prompt_prefix or (training and cfg.model.gradient_checkpointing)
+    return whole and packing_wanted(cfg.train.padding_free, model)
 
 
 def trains_on(trajectory: Trajectory, cfg: RunConfig) -> bool:
@@ -275,6 +297,7 @@ def policy_update(
         cfg.train.share_prompt_prefix,
         use_fused_logprobs(cfg),
         max_tokens=cfg.train.max_tokens_per_micro_batch,
+        packed=packs_rows(cfg, model, training=True),
     )
     # Collated on the host, one copy per tensor to the model's device (the rank's under torchrun).
     device = dist.device if dist is not None else device_of(model)
@@ -506,6 +529,7 @@ def reference_logprobs(
         cfg.train.share_prompt_prefix,
         use_fused_logprobs(cfg),
         max_tokens=cfg.train.max_tokens_per_micro_batch,
+        packed=packs_rows(cfg, policy.model, training=False),
     )
     policy.model.eval()
     with policy.reference(bf16_matmuls=bf16) as ref:
