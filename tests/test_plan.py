@@ -132,6 +132,10 @@ def test_bf16_on_a_gpu_stores_the_lora_base_in_bf16() -> None:
     fp32 = estimate(with_sets(lora, ["model.bf16=off"]), device="cuda")
     assert "bf16" in next(i.note for i in gpu.items if i.name == "weights (frozen base)")
     assert _item(gpu, "weights (frozen base)") < _item(fp32, "weights (frozen base)")
+    # HF's fp32 forward samples with `decode: hf`: the base must stay fp32 for it
+    # (RolloutPlan.store_frozen_base_bf16), and the plan says so.
+    hf = estimate(with_sets(lora, ["generator.decode=hf"]), device="cuda")
+    assert _item(hf, "weights (frozen base)") == _item(fp32, "weights (frozen base)")
 
 
 # -------------------------------------------------------------------------- measured on the CPU

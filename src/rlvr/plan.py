@@ -397,7 +397,9 @@ def _estimate(cfg: RunConfig, s: ModelShape, kind: str, gpus: int, lp: int, how:
             items.append(Item(name, int(n), phase, note))
 
     # -- persistent
-    base_bf16 = lora and bf16 and path != "none" and (kind == "cuda" or copy_bf16)
+    # As RolloutPlan.store_frozen_base_bf16 decides: the in-process sampler reads a bf16 weight copy
+    # (HF's fp32 forward needs an fp32 base; an async producer samples from weights of its own).
+    base_bf16 = lora and bf16 and copy_bf16 and not cfg.rollout.async_rollouts
     if lora:  # matmul weights 2 or 4 bytes; norms (and a tied embedding, looked up) stay fp32
         frozen = 4 * rest + (2 if base_bf16 else 4) * (matmul - (vh if s.tied else 0))
         frozen += 2 * vh if base_bf16 and s.tied else 0  # the head's own bf16 tensor
