@@ -117,3 +117,46 @@ def test_lora_in_bf16_trains_on_the_gpu(
     summary = train(cfg, config_dir=tiny_config_dir)
     rows = [m for m in read_metrics(summary.run_dir) if "loss" in m]
     assert len(rows) == 2 and all(m["perf/precision"] == 16.0 for m in rows)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+def test_packed_rows_equal_padded_rows_on_the_gpu(tiny_model_dir: Path, attn: str) -> None:
+    """The padding-free forward (rlvr.train.packing) on CUDA: with sdpa (an (N, N) block mask) and,
+    where flash-attn is installed, flash_attention_2's varlen kernel, the log-probs of packed rows
+    equal the padded rows' (fp32, no TF32; flash-attn computes in bf16, so within bf16 rounding)."""
+    import importlib.util
+
+    from rlvr.models import load_policy
+    from rlvr.records import Trajectory
+    from rlvr.train.batch import collate, token_logprobs
+    from rlvr.train.packing import packing_is_exact
+
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dtype = torch.bfloat16 if attn == "flash_attention_2" else torch.float32
+    model = load_policy(
+        str(tiny_model_dir), device="cuda", dtype=dtype, attn_implementation=attn
+    ).model
+    rows = [
+        Trajectory(
+            "a",
+            tuple(range(4, 9)) + tuple(range(20, 20 + n)),
+            (0,) * 5 + (1,) * n,
+            (0.0,) * (5 + n),
+            5,
+            "",
+            "stop",
+        )
+        for n in (1, 9, 4)
+    ]
+    advantages = [[0.0] * (len(t.token_ids) - 5) for t in rows]
+    padded = collate(rows, advantages, 0, "cuda")
+    packed = collate(rows, advantages, 0, "cuda", pack=True)
+    assert packing_is_exact(model)
+    with torch.no_grad():
+        a, _ = token_logprobs(model, padded, share_prefix=False)
+        b, _ = token_logprobs(model, packed, share_prefix=False)
+    valid = padded.completion_mask_B_C.bool()
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(b[valid], a[valid], rtol=0.0, atol=tolerance)
