@@ -229,3 +229,23 @@ def test_a_packed_batch_moves_whole(ragged: list[Trajectory]) -> None:
     moved = batch.to(torch.device("meta"))
     assert moved.packed is not None and moved.completion_ids_B_C.device.type == "meta"
     assert {t.device.type for t in vars(moved.packed).values()} == {"meta"}
+
+
+def test_the_run_says_when_its_update_is_padding_free(tiny_model_dir: Path) -> None:
+    from rlvr.config import load_config
+    from rlvr.train.placement import startup_lines
+
+    policy = load_policy(str(tiny_model_dir), gradient_checkpointing=True)
+    said = {}
+    for setting in ("true", "false", "auto"):
+        cfg = load_config(
+            None,
+            [
+                f"model.name={tiny_model_dir}",
+                "model.gradient_checkpointing=true",
+                f"train.padding_free={setting}",
+            ],
+        )
+        lines = startup_lines(cfg, policy, torch.device("cpu"), None)
+        said[setting] = any("padding-free update" in line for line in lines)
+    assert said == {"true": True, "false": False, "auto": False}  # auto: sdpa here

@@ -13,6 +13,7 @@ import torch
 from rlvr.config import RunConfig
 from rlvr.devices import describe
 from rlvr.models import Policy
+from rlvr.train.update import packs_rows
 
 
 def placement_line(cfg: RunConfig, policy: Policy, device: torch.device, generator: Any) -> str:
@@ -46,5 +47,10 @@ def startup_lines(
             "gradient checkpointing: HF keeps no KV cache under it, so the update runs each "
             "row's prompt again (group_size x the prompt tokens per micro-batch, not 1x) "
             "instead of sharing it (train.share_prompt_prefix)"
+        )
+    if packs_rows(cfg, policy.model, training=True):
+        lines.append(
+            "padding-free update: a micro-batch's rows run end to end, no padding "
+            "(train.padding_free; a probe checks once per model that rows stay apart)"
         )
     return lines
