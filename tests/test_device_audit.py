@@ -181,11 +181,13 @@ RUNS = {
         "generator.decode=fast",
         "eval.at_start=false",
     ),
-    # turns, the cross-turn KV cache on HF's path
+    # turns, the cross-turn KV cache on HF's path; a checkpointed, padding-free update
     "multiturn-grpo-hf": (
         "tiny_multiturn.yaml",
         "generator.decode=hf",
         "rollout.max_turns=2",
+        "model.gradient_checkpointing=true",
+        "train.padding_free=true",
         "eval.at_start=false",
     ),
     # turns on rlvr's decode path (its static cache in the turn store), LoRA, rloo
