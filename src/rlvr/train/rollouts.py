@@ -34,7 +34,7 @@ from rlvr.rollout.engine import RolloutLimits, rollout_groups
 from rlvr.rollout.fast_decode import decline_reason
 from rlvr.rollout.generator import Generator, SamplingParams
 from rlvr.rollout.hf import HFGenerator
-from rlvr.scale.weights import load_trainable_state, trainable_state
+from rlvr.scale.weights import load_trainable_state
 from rlvr.tasks import TaskSplits
 from rlvr.train.sources import Sources
 
@@ -268,8 +268,7 @@ class RolloutPlan:
             self.ray.sync_weights(self.policy)
         if self.async_ is not None:  # the copy was taken before the checkpoint was loaded
             self.async_.publish(self.policy)
-        if self.copy_model is not None:
-            load_trainable_state(self.copy_model, trainable_state(self.policy.model))
+        self._refresh_copy()  # fsdp: gathered from the shards (collective)
         self._refresh_decode_weights()
 
     def evaluate(self, default: Any) -> dict[str, float]:
