@@ -165,8 +165,10 @@ def test_torchrun_trains_the_whole_loop(
 def test_a_failed_start_stops_the_launched_server(
     tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """A run that fails after starting its server (here: --resume from a checkpoint without
-    weights, found only once the server runs) stops it."""
+    """A run that fails after starting its server (here: --resume from a checkpoint whose weights
+    load but whose training state is missing, found only once the server runs) stops it."""
+    import shutil
+
     import psutil
 
     from rlvr.errors import RlvrError
@@ -175,11 +177,11 @@ def test_a_failed_start_stops_the_launched_server(
         tiny_config_dir, tiny_model_dir, tmp_path / "broken", "generator.backend=server",
         "generator.launch=rlvr",
     )  # fmt: skip
-    # A checkpoint directory that passes the early --resume check but holds no weights.
+    # Weights (read before the server starts) but no RNG or optimizer state (read after).
     checkpoint = tmp_path / "broken" / "checkpoints" / "step-000001"
-    checkpoint.mkdir(parents=True)
+    shutil.copytree(tiny_model_dir, checkpoint / "model")
     (checkpoint / "state.json").write_text("{}")
-    with pytest.raises(RlvrError, match="does not match the model"):
+    with pytest.raises(RlvrError, match="has no rng.json"):
         train(cfg, resume=True, config_dir=tiny_config_dir)
     servers = [
         p for p in psutil.Process().children(recursive=True) if "serve" in " ".join(p.cmdline())

@@ -121,10 +121,13 @@ class DistContext:
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------------------ the model
-    def prepare_policy(self, policy: Policy) -> None:
+    def prepare_policy(self, policy: Policy, bf16: bool = False) -> None:
         """Make every rank start from rank 0's weights, then (fsdp) shard them. Call it before the
         optimizer is built: under fsdp the parameters become sharded DTensors, and the optimizer must
-        hold those. The reference copy (full fine-tuning with beta > 0) is treated like the policy."""
+        hold those. The reference copy (full fine-tuning with beta > 0) is treated like the policy.
+        `bf16` (the update's precision): fsdp gathers and computes with bf16 copies of the weights
+        and reduces gradients in fp32 (FSDP2's MixedPrecisionPolicy); the shards, their gradients and
+        the optimizer stay fp32."""
         models = [policy.model] + ([policy._reference] if policy._reference is not None else [])
         for model in models:
             if self.device.type != "cpu":
@@ -145,16 +148,22 @@ class DistContext:
             # FSDP reduce-scatters dense gradients only (see rlvr.models.sparse_tied_embedding_grad).
             embedding.sparse = False
         for model in models:
-            self._fully_shard(model)
+            self._fully_shard(model, bf16)
 
-    def _fully_shard(self, model: Any) -> None:
+    def _fully_shard(self, model: Any, bf16: bool = False) -> None:
         """FSDP2 on each decoder layer (the units whose weights are gathered one at a time) and on the
         root (embeddings, final norm, lm_head), with gradients summed rather than averaged."""
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+        # bf16 all-gathers halve the bytes each forward moves; fp32 reduction keeps the summed
+        # gradient as exact as the fp32 path's (TRL/verl's FSDP default for bf16 training).
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if bf16 else None,
+            reduce_dtype=torch.float32 if bf16 else None,
+        )
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=self._mesh)
-        fully_shard(model, mesh=self._mesh)
+            fully_shard(layer, mesh=self._mesh, mp_policy=policy)
+        fully_shard(model, mesh=self._mesh, mp_policy=policy)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 # Each rank's loss is its part of the full-batch loss: the gradient is the SUM over

@@ -5,6 +5,11 @@ Layout: RUN_DIR/checkpoints/step-000040/{model/, optimizer.pt, scheduler.pt, rng
 state.json}. `model/` is a normal HF (or peft adapter) directory, so `rlvr eval` and `from_pretrained`
 read it.
 
+Under torchrun every rank samples with its own RNGs (seeded per rank), so each rank r > 0 adds
+rng-rank{r}.pt / rng-rank{r}.json and a resume restores every rank's own. Under fsdp the optimizer
+state is sharded: `optimizer/` holds it as a torch.distributed.checkpoint (each rank writes its
+shard; a resume reshards it to the new world size), in place of optimizer.pt.
+
 Run files are data, not code: every .pt file here holds only tensors, numbers, strings and
 containers, and is read with `torch.load(weights_only=True)`, which refuses anything else. A
 pickle can run arbitrary code when loaded, and run directories get copied between machines and
@@ -26,6 +31,7 @@ import numpy as np
 import torch
 
 from rlvr.errors import ConfigError
+from rlvr.scale.torch_dist import DistContext
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -59,29 +65,60 @@ def save_checkpoint(
     extra_state: dict[str, Any],
     keep_last: int,
     save_extra: Callable[[Path], None] | None = None,
+    dist: DistContext | None = None,
+    sharded_model: Any = None,
 ) -> Path:
-    """Write step's checkpoint atomically; `save_extra(dir)` adds more state (ppo's critic)."""
+    """Write step's checkpoint atomically; `save_extra(dir)` adds more state (ppo's critic).
+
+    Single process: everything here. Under torchrun (`dist`) every rank calls it: rank 0 writes the
+    weights (`model`, gathered by the caller under fsdp) and the run state, each rank its RNGs, and
+    under fsdp (`sharded_model`: the sharded policy the optimizer holds) every rank its optimizer
+    shard; rank 0 renames the directory into place once all have written."""
     final = run_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "model")
-    tokenizer.save_pretrained(tmp / "model")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save({"torch": torch.get_rng_state(), "generator": generator_rng}, tmp / "rng.pt")
-    (tmp / "rng.json").write_text(json.dumps(rng_to_json()))
-    (tmp / "state.json").write_text(
-        json.dumps({"step": step, "sampler": sampler_state, **extra_state}, indent=1)
+    main = dist is None or dist.is_main
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
+        if sharded_model is None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / "state.json").write_text(
+            json.dumps({"step": step, "sampler": sampler_state, **extra_state}, indent=1)
+        )
+        if save_extra is not None:
+            save_extra(tmp)
+    if dist is not None:
+        dist.barrier()  # the directory exists before the other ranks write into it
+    rank = dist.rank if dist is not None else 0
+    torch.save(
+        {"torch": torch.get_rng_state(), "generator": generator_rng}, tmp / _rng_name(rank, "pt")
     )
-    if save_extra is not None:
-        save_extra(tmp)
-    # Rename last: a crash mid-save leaves a .tmp directory, never a checkpoint that looks complete.
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    for old in checkpoint_dirs(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    (tmp / _rng_name(rank, "json")).write_text(json.dumps(rng_to_json()))
+    if sharded_model is not None:
+        from torch.distributed.checkpoint import save
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(sharded_model, optimizer)
+        save({"optimizer": state}, checkpoint_id=str(tmp / "optimizer"))  # collective
+    if dist is not None:
+        dist.barrier()  # every rank's part is on disk
+    if main:
+        # Rename last: a crash mid-save leaves a .tmp directory, never a checkpoint that looks
+        # complete.
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in checkpoint_dirs(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    if dist is not None:
+        dist.barrier()  # no rank reads or resumes from the checkpoint before it is in place
     return final
+
+
+def _rng_name(rank: int, suffix: str) -> str:
+    return f"rng.{suffix}" if rank == 0 else f"rng-rank{rank}.{suffix}"
 
 
 def load_weights_into(model: Any, checkpoint: Path, lora: bool) -> None:
@@ -114,22 +151,59 @@ def load_weights_into(model: Any, checkpoint: Path, lora: bool) -> None:
 
 
 def load_training_state(
-    checkpoint: Path, optimizer: torch.optim.Optimizer, scheduler: Any
+    checkpoint: Path,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    *,
+    rank: int = 0,
+    sharded_model: Any = None,
 ) -> tuple[dict[str, Any], torch.Tensor]:
-    """Restore optimizer, scheduler and global RNGs; return (state.json contents, generator RNG state)."""
-    rng_json = checkpoint / "rng.json"
-    if not rng_json.is_file():
+    """Restore optimizer, scheduler and global RNGs; return (state.json contents, generator RNG state).
+    `rank`: this rank's own RNGs (rank 0's where the checkpoint has none for it: a run saved by
+    fewer ranks). `sharded_model` (fsdp): the optimizer state is read from the sharded checkpoint,
+    resharded to this job's ranks (a collective: every rank calls it)."""
+    if not (checkpoint / "rng.json").is_file():
         raise ConfigError(
             f"checkpoint {checkpoint} has no rng.json: it was written by an older rlvr, whose "
             "pickled RNG state is not loaded (start a new run)"
         )
-    optimizer.load_state_dict(load_data(checkpoint / "optimizer.pt"))
+    if sharded_model is not None:
+        _load_sharded_optimizer(checkpoint, optimizer, sharded_model)
+    else:
+        if not (checkpoint / "optimizer.pt").is_file():
+            raise ConfigError(
+                f"checkpoint {checkpoint} holds a sharded optimizer (an fsdp run): resume it with "
+                "distributed.strategy fsdp under torchrun"
+            )
+        optimizer.load_state_dict(load_data(checkpoint / "optimizer.pt"))
     scheduler.load_state_dict(load_data(checkpoint / "scheduler.pt"))
-    rng = load_data(checkpoint / "rng.pt")
+    own = (checkpoint / _rng_name(rank, "json")).is_file()
+    rng_json = checkpoint / _rng_name(rank if own else 0, "json")
+    rng = load_data(checkpoint / _rng_name(rank if own else 0, "pt"))
     rng_from_json(json.loads(rng_json.read_text()))
     torch.set_rng_state(rng["torch"])
     state = json.loads((checkpoint / "state.json").read_text())
     return state, rng["generator"]
+
+
+def _load_sharded_optimizer(checkpoint: Path, optimizer: torch.optim.Optimizer, model: Any) -> None:
+    """The fsdp optimizer state from `checkpoint/optimizer` (torch.distributed.checkpoint) into this
+    rank's shard of it."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if not (checkpoint / "optimizer").is_dir():
+        raise ConfigError(
+            f"checkpoint {checkpoint} has no sharded optimizer state (optimizer/): it was saved by "
+            "a single process or ddp; resume it the way it was run"
+        )
+    # The state's structure (its tensors sharded as this job shards them), then filled from disk.
+    state = get_optimizer_state_dict(model, optimizer)
+    load({"optimizer": state}, checkpoint_id=str(checkpoint / "optimizer"))
+    set_optimizer_state_dict(model, optimizer, state)
 
 
 def load_data(path: Path) -> Any:

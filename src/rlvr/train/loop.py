@@ -53,7 +53,6 @@ from rlvr.allocator import keep_freed_memory
 from rlvr.build import build_optimizer, build_policy, rollout_limits, use_bf16
 from rlvr.config import RunConfig, config_to_dict, load_config
 from rlvr.devices import device_of, enable_tf32, resolve_device
-from rlvr.errors import ConfigError
 from rlvr.evaluate import check_error_fraction, check_eval_errors, evaluate_sources
 from rlvr.models import Policy, load_policy
 from rlvr.observe.inspect import trajectory_rows, write_step_trajectories
@@ -145,14 +144,17 @@ def train(
 
     # Under torchrun: this process is one rank; rank 0 alone writes metrics and checkpoints.
     dist = torch_dist_context(cfg)
-    if dist is not None and resume and dist.strategy == "fsdp":
-        raise ConfigError("--resume under distributed.strategy fsdp is not supported yet; use ddp")
     sources = Sources(cfg, config_dir, tasks)
     curriculum = Curriculum(cfg, sources, tasks)  # levels / scheduled weights (train/curriculum.py)
     # Before any weights load: a run that cannot fit on its GPU is refused with the smallest change
     # that fits (rlvr plan), not an out-of-memory error an hour in; on the CPU it only warns.
     check_fits(cfg, resolve_device(cfg.model.device))
     policy = build_policy(cfg)
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if checkpoint is not None:
+        # Into the unsharded model, before anything copies it (the fsdp sampling copy, an async
+        # producer's) or torchrun broadcasts and shards it (DistContext.prepare_policy).
+        load_weights_into(policy.model, checkpoint, policy.lora)
     device = device_of(policy.model)
     enable_tf32(device)  # the fp32 matmuls left on a GPU (a no-op on the CPU)
     # `model.bf16: auto`: the update's precision measured on this host (train/precision_choice.py)
@@ -198,7 +200,8 @@ def train(
         watchdog.start()
         generator = plan.generator
         if dist is not None:
-            dist.prepare_policy(policy)  # ddp: identical start on every rank; fsdp: shard
+            # ddp: identical start on every rank; fsdp: shard (bf16 gathers for a bf16 update)
+            dist.prepare_policy(policy, bf16=precision.bf16)
         optimizer, scheduler = build_optimizer(policy, cfg)
         is_main = dist is None or dist.is_main
         spec = ALGORITHMS[cfg.algorithm]
@@ -232,13 +235,16 @@ def train(
             )
 
         start_step = 0
-        checkpoint = None
-        if resume:
-            checkpoint = latest_checkpoint(run_dir)
-            load_weights_into(policy.model, checkpoint, policy.lora)
+        if checkpoint is not None:
             if critic is not None:
                 critic.load(checkpoint)
-            state, generator_rng = load_training_state(checkpoint, optimizer, scheduler)
+            state, generator_rng = load_training_state(
+                checkpoint,
+                optimizer,
+                scheduler,
+                rank=dist.rank if dist is not None else 0,
+                sharded_model=policy.model if dist is not None and dist.fsdp else None,
+            )
             generator.set_state(generator_rng)
             curriculum.load_state_dict(state.get("curriculum"))  # before the samplers
             sources.load_state_dict(state["sampler"])
@@ -281,9 +287,7 @@ def train(
 
         def save(step: int) -> None:
             plan.before_save()  # async: producer idle; fsdp: full weights gathered (collective)
-            if not is_main:
-                return
-            save_checkpoint(
+            save_checkpoint(  # every rank: its RNGs (and under fsdp its optimizer shard)
                 run_dir,
                 step,
                 model=plan.copy_model if plan.copy_model is not None else policy.model,
@@ -299,6 +303,8 @@ def train(
                 },
                 keep_last=cfg.checkpoint.keep_last,
                 save_extra=critic.save if critic is not None else None,
+                dist=dist,
+                sharded_model=policy.model if dist is not None and dist.fsdp else None,
             )
 
         if cfg.eval.at_start and not resume:
