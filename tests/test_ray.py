@@ -123,7 +123,12 @@ def check_sync(rollout: RayRollout, cfg: RunConfig, policy: Policy) -> None:
 
 def test_weight_sync_makes_workers_sample_the_learner_policy(two_workers: Any) -> None:
     rollout, cfg = two_workers
-    check_sync(rollout, cfg, perturbed(build_policy(cfg), 0.2))
+    policy = perturbed(build_policy(cfg), 0.2)
+    check_sync(rollout, cfg, policy)
+    # HF's fp32 forward samples in the workers: every weight is sent in fp32.
+    assert rollout.sync_dtype is None
+    fp32_bytes = sum(p.numel() * 4 for p in policy.trainable_parameters())
+    assert rollout.last_metrics["sync/weight_bytes"] == fp32_bytes
 
 
 def test_weight_sync_with_lora(local_ray: None, tiny_model_dir: Path) -> None:
@@ -195,3 +200,21 @@ def test_a_killed_worker_is_reported_not_waited_for(two_workers: Any) -> None:
     with pytest.raises(RuntimeError, match=r"^rollout worker 1 failed during a rollout: Actor"):
         rollout.rollout(batch_tasks(cfg), sampling_of(cfg), rollout_limits(cfg))
     assert time.monotonic() - started < 30
+
+
+def test_workers_sampling_from_a_bf16_copy_get_bf16_weights(
+    local_ray: None, tiny_model_dir: Path
+) -> None:
+    """Full fine-tuning, actors on rlvr's decode path from a bf16 copy: the sync sends the linear
+    weights in bf16 (fewer bytes than the fp32 sync of the module's workers) and logs it."""
+    cfg = make_cfg(
+        tiny_model_dir, workers=1, generator={"decode": "fast", "decode_dtype": "bfloat16"}
+    )
+    policy = perturbed(build_policy(cfg), 0.2)
+    with RayRollout(cfg) as rollout:
+        assert rollout.sync_dtype == torch.bfloat16
+        rollout.sync_weights(policy)
+        sent = rollout.last_metrics["sync/weight_bytes"]
+    fp32_bytes = sum(p.numel() * 4 for p in policy.trainable_parameters())
+    assert sent < 0.8 * fp32_bytes
+    assert rollout.last_metrics["sync/weight_seconds"] > 0

@@ -19,8 +19,12 @@ must call `sync_weights` before the first rollout.
 
 Failures: an actor that raises, fails to build, or dies is reported as a one-line RuntimeError naming
 its index and the cause, as soon as Ray reports it, never a hang. With `worker_gpus` > 0 an actor
-loads its copy onto the GPU Ray reserved for it and samples there; with 0, on its CPUs. (Weight sync
-still sends fp32 weights through the object store: issue 35.)
+loads its copy onto the GPU Ray reserved for it and samples there; with 0, on its CPUs.
+
+Weight sync: LoRA sends the adapters (fp32: small). Full fine-tuning sends the linear weights in
+bf16 when the actors sample from a bf16 weight copy (rlvr's decode path, `decode_dtype` bf16: the
+default on a bf16 GPU), half the bytes of fp32 and exactly the values their copy would round to;
+else fp32. Each sync's bytes and seconds are logged (`sync/weight_bytes`, `sync/weight_seconds`).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from rlvr.records import Group, Task
 from rlvr.rollout.engine import RolloutLimits, rollout_groups
 from rlvr.rollout.generator import Completion, Generator, SamplingParams
 from rlvr.scale import chunk_bounds
-from rlvr.scale.weights import load_trainable_state, trainable_state
+from rlvr.scale.weights import load_trainable_state, state_bytes, trainable_state
 from rlvr.tasks import TaskSplits
 
 # A local cluster's shared-memory object store: the weights of one sync live there at a time (the
@@ -178,6 +182,16 @@ class RolloutWorker:
         self.ready()
         load_trainable_state(self.policy.model, state)
 
+    def samples_from_bf16_copy(self) -> bool:
+        """Whether this actor's sampler reads a bf16 copy of full fine-tuned weights (so bf16 weight
+        syncs lose nothing it would not round away itself)."""
+        from rlvr.rollout.fast_decode import decline_reason
+
+        self.ready()
+        g = self.generator.inner
+        bf16_copy = getattr(g, "decode", None) == "fast" and g.decode_dtype == torch.bfloat16
+        return bf16_copy and not self.policy.lora and decline_reason(self.policy.model) is None
+
 
 class RayRollout:
     """`distributed.rollout_workers` Ray actors playing a step's episodes, a contiguous chunk each.
@@ -195,6 +209,8 @@ class RayRollout:
         self._started_ray = False
         self._workers: list[Any] = []
         self._last_metrics: dict[str, float] = {}
+        self._sync_metrics: dict[str, float] = {}
+        self.sync_dtype: torch.dtype | None = None  # None: every weight in its own dtype (fp32)
         if not ray.is_initialized():
             if dist.ray_address is None:
                 # A local cluster on this machine: room for every actor even on a small box (Ray
@@ -224,6 +240,11 @@ class RayRollout:
                 "failed to start",
                 timeout_s=START_TIMEOUT_S,
             )
+            bf16_copies = self._gather(
+                [(k, w.samples_from_bf16_copy.remote()) for k, w in enumerate(self._workers)],
+                "failed to report its sampler",
+            )
+            self.sync_dtype = torch.bfloat16 if all(bf16_copies) else None
         except BaseException:
             self.close()
             raise
@@ -266,17 +287,23 @@ class RayRollout:
     def sync_weights(self, policy: Policy) -> None:
         """Every actor's policy copy takes the learner's trainable weights (LoRA: the adapters);
         returns once all have them."""
-        state_ref = self._ray.put(trainable_state(policy.model))
+        started = time.perf_counter()
+        state = trainable_state(policy.model, self.sync_dtype)
+        state_ref = self._ray.put(state)
         self._gather(
             [(k, w.load_weights.remote(state_ref)) for k, w in enumerate(self._workers)],
             "failed to load synced weights",
         )
+        self._sync_metrics = {
+            "sync/weight_bytes": float(state_bytes(state)),
+            "sync/weight_seconds": time.perf_counter() - started,
+        }
 
     @property
     def last_metrics(self) -> dict[str, float]:
         """Timings of the last `rollout`: its wall time, the busiest and idlest worker's seconds,
         and all workers' busy and generating seconds summed."""
-        return dict(self._last_metrics)
+        return {**self._last_metrics, **self._sync_metrics}
 
     def close(self) -> None:
         """Kill the actors; shut Ray down only when this object started it."""

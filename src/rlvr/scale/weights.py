@@ -9,12 +9,37 @@ from typing import Any
 import torch
 
 
-def trainable_state(model: Any) -> dict[str, torch.Tensor]:
-    """{parameter name: a detached CPU copy} of every parameter that trains (requires_grad)."""
+def trainable_state(
+    model: Any, matmul_dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """{parameter name: a detached CPU copy} of every parameter that trains (requires_grad).
+
+    `matmul_dtype` (bf16 for a receiver that samples from a bf16 weight copy): the weights of linear
+    layers are sent in it, half the bytes; everything its copy keeps in fp32 (norms, biases, the
+    embedding, a head tied to it) is sent in fp32. The receiver's copy is then bit-identical to one
+    built from the fp32 weights (tests/test_weight_sync.py)."""
+    matmul = _linear_weight_names(model) if matmul_dtype is not None else set()
     return {
-        name: p.detach().to("cpu", copy=True)
+        name: p.detach().to("cpu", matmul_dtype if name in matmul else p.dtype, copy=True)
         for name, p in model.named_parameters()
         if p.requires_grad
+    }
+
+
+def state_bytes(state: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _linear_weight_names(model: Any) -> set[str]:
+    """Parameter names of nn.Linear weights, less one shared with the input embedding (a tied head:
+    the embedding is looked up in fp32)."""
+    get_embedding = getattr(model, "get_input_embeddings", None)
+    embedding = get_embedding() if get_embedding is not None else None
+    tied = getattr(embedding, "weight", None)
+    return {
+        f"{name}.weight" if name else "weight"
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module.weight is not tied
     }
 
 
