@@ -189,7 +189,10 @@ class RolloutWorker:
 
         self.ready()
         g = self.generator.inner
-        bf16_copy = getattr(g, "decode", None) == "fast" and g.decode_dtype == torch.bfloat16
+        bf16_copy = (
+            getattr(g, "decode", None) == "fast"
+            and getattr(g, "decode_dtype", None) == torch.bfloat16
+        )
         return bf16_copy and not self.policy.lora and decline_reason(self.policy.model) is None
 
 
