@@ -26,9 +26,10 @@ demo: $(STAMP)
 # The suite with `model.bf16: auto` resolved to fp32 (tests/conftest.py pins RLVR_AUTO_BF16=off unless
 # set: a real run measures the host instead, rlvr.train.precision_choice), then the tests marked
 # `precision` (their path depends on `auto`) again with auto resolved the other way (bf16 autocast), on
-# any CPU kind: no machine can land a change that breaks the other path.
+# any CPU kind: no machine can land a change that breaks the other path. --durations: the slowest
+# tests are printed, so the suite's time (guide: ~15 min on 2 cores) can be kept in view.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 	@other=$$($(BIN)/python -c "from rlvr.build import native_bf16; print('off' if native_bf16() else 'on')"); \
 		echo "precision-sensitive tests again with RLVR_AUTO_BF16=$$other"; \
 		RLVR_AUTO_BF16=$$other $(BIN)/python -m pytest -q -m precision
