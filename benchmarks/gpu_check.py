@@ -265,7 +265,8 @@ def shaped_model_dir(config_file: Path, root: Path, device: str, small: bool) ->
 def shaped_runs(
     clock: Clock, device: str, work: Path, small: bool, with_7b: bool
 ) -> list[dict[str, Any]]:
-    """Qwen2.5-1.5B shape: full FT bf16 / fp32, LoRA bf16; Qwen2.5-7B shape with LoRA if time."""
+    """Qwen2.5-1.5B shape: full FT bf16 / fp32, LoRA bf16; Qwen2.5-7B shape with LoRA if time; then
+    the 1.5B shape checkpointed, padded and packed."""
     tokens = 16 if small else 128
     common = [
         "sampling.group_size=8",
@@ -284,6 +285,13 @@ def shaped_runs(
         plans.append(
             ("qwen2.5-7b", "lora bf16", ["model.lora.enabled=true", "model.bf16=auto"], 200)
         )
+    # Rows run whole under checkpointing: padded vs packed (train.padding_free), last so the budget
+    # drops them first.
+    ckpt = ["model.bf16=auto", "model.gradient_checkpointing=true"]
+    plans += [
+        ("qwen2.5-1.5b", "full bf16 ckpt padded", [*ckpt, "train.padding_free=false"], 150),
+        ("qwen2.5-1.5b", "full bf16 ckpt packed", [*ckpt, "train.padding_free=true"], 150),
+    ]
     results = []
     for shape, variant, extra, needs_s in plans:
         name = f"{shape} {variant}"
