@@ -14,6 +14,9 @@ expected value divided by the better arm's, in [0, 1]; `invalid_action` 1.0 (wei
 answer is missing or names no arm. The episode always ends after the one turn; no payout is sampled,
 so the reward is deterministic.
 
+Split: by payout tables (`split_key`), names and listing order left out: the same two tables
+under other names are the same decision, so they never sit on both sides.
+
 Demonstration policies (rlvr.envs.demos): `random_action` names one of the two arms at random (a
 format warm-up: right half the time); `scripted_action` names the better arm (behaviour cloning).
 """
@@ -174,6 +177,11 @@ class BanditFamily(EnvFamily):
             rng.shuffle(arms)
             return make_task(arms)
         raise ConfigError(f"bandit: no arms found for seed {seed}; lower task.env.options.min_gap")
+
+    def split_key(self, task: Task) -> str:
+        """The two payout tables, sorted: the decision without the arms' names or order."""
+        tables = sorted((int(a["coins"]), int(a["percent"])) for a in task.fields["arms"])
+        return "bandit-payouts:" + ",".join(f"{c}@{p}" for c, p in tables)
 
     def make(self, task: Task) -> Env:
         return BanditEnv(task)

@@ -11,9 +11,12 @@ the next turn and never receive gradient. `rewards` are named reward parts earne
 trajectory's component is the sum over its turns, and turn-level credit uses them per turn.
 
 An `EnvFamily` is what a config names (`task.env.name`): it generates seeded task instances with a
-held-out split (`make_splits`) and builds the env that plays one (`make`). Instances are keyed by their
-content, and a fixed hash of the key decides held-out membership, so no seed can leak a held-out
-instance into training.
+held-out split (`make_splits`) and builds the env that plays one (`make`). A fixed hash of each
+instance's `split_key` decides held-out membership, so no seed (and no other num_train, or curriculum
+level over the same key) can put a held-out instance into training. The key is the level at which
+two instances must not be split apart: by default the id (the content), but e.g. Sudoku's is the
+answer grid and Sokoban's the room, so that no held-out puzzle shares its solution with a train
+puzzle, or starts from a state that playing a train level can reach (tests/test_splits.py).
 """
 
 from __future__ import annotations
@@ -118,10 +121,18 @@ class EnvFamily(ABC):
     def make(self, task: Task) -> Env:
         """A fresh env playing `task`."""
 
+    def split_key(self, task: Task) -> str:
+        """What a fixed hash decides the side of: instances with the same key are all train or all
+        held out. The id by default; a family whose instances can share a solution, or reach one
+        another's start in play, returns the coarser thing they share (docs/envs.md, splits)."""
+        return task.id
+
     def make_splits(
         self, num_train: int, num_heldout: int, heldout_fraction: float = 0.1
     ) -> tuple[list[Task], list[Task]]:
-        return split_instances(self.generate, num_train, num_heldout, heldout_fraction)
+        return split_instances(
+            self.generate, num_train, num_heldout, heldout_fraction, split_key=self.split_key
+        )
 
 
 def stable_fraction(key: str) -> float:
@@ -135,12 +146,14 @@ def split_instances(
     num_heldout: int,
     heldout_fraction: float = 0.1,
     max_tries_factor: int = 50,
+    split_key: Callable[[Task], str] | None = None,
 ) -> tuple[list[Task], list[Task]]:
-    """Generate distinct instances from seeds 0, 1, 2, ... and split them by a hash of their id.
+    """Generate distinct instances from seeds 0, 1, 2, ... and split them by a hash of their key.
 
-    An instance is held out iff stable_fraction(id) < heldout_fraction, whatever seed produced it, so
-    the two lists never share an instance. Stops when both lists are full; raises a ConfigError if the
-    family cannot produce that many distinct instances (e.g. a tiny option space).
+    An instance is held out iff stable_fraction(split_key(task)) < heldout_fraction (the key is the
+    id when `split_key` is None), whatever seed produced it, so the two lists never share a key.
+    Stops when both lists are full; raises a ConfigError if the family cannot produce that many
+    distinct instances (e.g. a tiny option space).
     """
     train: list[Task] = []
     heldout: list[Task] = []
@@ -158,7 +171,8 @@ def split_instances(
         if task.id in seen:
             continue
         seen.add(task.id)
-        if stable_fraction(task.id) < heldout_fraction:
+        key = task.id if split_key is None else split_key(task)
+        if stable_fraction(key) < heldout_fraction:
             if len(heldout) < num_heldout:
                 heldout.append(task)
         elif len(train) < num_train:

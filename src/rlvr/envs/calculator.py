@@ -22,6 +22,10 @@ can use every number, and still rarely hits the answer (tests/test_env_demos.py)
 numbers is 38-40 SmolLM2 tokens: give it sampling.max_new_tokens 48, or the engine cuts (and the
 demos drop) most of them (examples/env_calculator_2op_warmup.yaml). No scripted policy: a task
 stores its answer, not the expression.
+
+Split: by computation (`split_key`: the question's numbers and the answer), so two wordings of one
+computation, or a product with its factors swapped, never sit on both sides; no instance is the
+worked example's 12 * 14, whose answer every prompt shows.
 """
 
 from __future__ import annotations
@@ -114,6 +118,15 @@ DEMONSTRATION = (
     {"role": "tool", "content": "168"},
     {"role": "assistant", "content": "<answer>168</answer>"},
 )
+
+
+def exercise_key(question: str, answer: int) -> str:
+    """The computation a question asks for, wording aside: its numbers (sorted) and the answer."""
+    numbers = sorted(int(n) for n in re.findall(r"\d+", question))
+    return f"calculator:{numbers}={answer}"
+
+
+_DEMONSTRATED = exercise_key(str(DEMONSTRATION[0]["content"]), 168)
 
 # (template, answer(a, b, c)); a, b two-digit, c three-digit. Each needs len(ops) exact operations.
 _Problem = tuple[str, Callable[[int, int, int], int]]
@@ -210,13 +223,15 @@ class CalculatorFamily(EnvFamily):
         assert isinstance(options, CalculatorOptions)
         rng = random.Random(seed)
         template, solve = rng.choice(_PROBLEMS[options.num_operations])
-        answer = 0
-        while answer <= 0:  # word problems about counts: keep the answer positive
+        answer, question = 0, ""
+        # Word problems about counts: keep the answer positive. Never the worked example's
+        # computation (12 * 14): every prompt shows its answer.
+        while answer <= 0 or exercise_key(question, answer) == _DEMONSTRATED:
             a = rng.randint(12, options.max_operand)
             b = rng.randint(12, options.max_operand)
             c = rng.randint(100, 999)
             answer = solve(a, b, c)
-        question = template.format(a=a, b=b, c=c)
+            question = template.format(a=a, b=b, c=c)
         shown = DEMONSTRATION if options.demonstration else ()
         return Task(
             id=f"calculator:{question}",
@@ -227,6 +242,11 @@ class CalculatorFamily(EnvFamily):
             ),
             fields={"answer": answer},
         )
+
+    def split_key(self, task: Task) -> str:
+        """The question's numbers (sorted) and the answer: two wordings of one computation, or one
+        product with its factors swapped, are the same exercise and stay on one side."""
+        return exercise_key(str(task.messages[-1]["content"]), int(task.fields["answer"]))
 
     def make(self, task: Task) -> CalculatorEnv:
         return CalculatorEnv(task)

@@ -13,6 +13,10 @@ expression (never `eval`). Reward parts: `success` (the expression is valid, use
 and equals the target) and `format` (a parseable expression was given; weight 0.1, like TinyZero's
 format score, earned at most once per episode). A wrong answer gets feedback and one more try.
 
+Split: by puzzle (the id: sorted numbers and target; an expression that uses every number names
+both, so no two puzzles share a solution). Under `use_all: false` an expression over a subset
+solves every puzzle holding that subset and target, so there the key is the target alone.
+
 Demonstration policies (rlvr.envs.demos): `random_action` answers a random expression that uses
 each number once with random operators and grouping (valid, rarely the target: a format warm-up);
 `scripted_action` answers the expression the generator built (behaviour cloning).
@@ -184,12 +188,19 @@ class CountdownFamily(EnvFamily):
             numbers = sorted(rng.randint(1, opts.max_number) for _ in range(opts.num_numbers))
             pool = numbers if opts.use_all else rng.sample(numbers, rng.randint(2, len(numbers)))
             made = _random_target(rng, pool, cap)
-            if made is not None and opts.min_target <= made[0] <= opts.max_target:
+            if made is None or shows_answer(numbers, made[0], opts.use_all):
+                continue
+            if opts.min_target <= made[0] <= opts.max_target:
                 return make_task(numbers, made[0], opts.use_all, solution=made[1])
         raise ConfigError(
             f"countdown: no target in {opts.min_target}..{opts.max_target} found for seed {seed}; "
             "widen task.env.options.min_target / max_target or change max_number"
         )
+
+    def split_key(self, task: Task) -> str:
+        """The id; the target alone when not every number must be used (see the docstring)."""
+        f = task.fields
+        return task.id if f["use_all"] else f"countdown-target:{f['target']}"
 
     def make(self, task: Task) -> Env:
         f = task.fields
@@ -216,6 +227,12 @@ class CountdownFamily(EnvFamily):
     def scripted_action(self, task: Task, messages: list[Message]) -> str:
         """The generator's own expression (`fields["solution"]`)."""
         return f"<answer>{task.fields['solution']}</answer>"
+
+
+def shows_answer(numbers: list[int], target: int, use_all: bool) -> bool:
+    """Whether the system prompt's example expression, "(3 + 5) * 2", solves this puzzle (every
+    prompt would show its answer; such puzzles are never generated)."""
+    return target == 16 and number_problem([3, 5, 2], numbers, use_all) is None
 
 
 def make_task(numbers: list[int], target: int, use_all: bool = True, solution: str = "") -> Task:

@@ -16,6 +16,10 @@ direction with probability 1/3 and to each of the two perpendicular directions w
 seeded from the task id and the episode's place in its group (`Env.episode_index`, set by the
 engine): the G episodes of a group slip differently, and a replayed or resumed run slips the same.
 
+Split: by lake (`split_key`: the holes and the goal, the player left out). Two instances that
+differ only in the start cell reach one another's start in play, so the start never decides the
+side: a held-out lake is one no train episode walked on.
+
 Instances: start and goal are two random cells, every other cell is a hole with probability
 `hole_fraction`; the map is redrawn from the same rng until BFS finds a path of 2 to max_turns - 2
 moves, so every instance is solvable without slips within the env's turn cap.
@@ -290,6 +294,11 @@ class FrozenLakeFamily(EnvFamily):
         (replanned every turn, so slips are followed); "Up" when no path is left."""
         path = solve_frozenlake(latest_grid(task, messages, "PFHG"))
         return f"<answer>{path[0] if path else 'Up'}</answer>"
+
+    def split_key(self, task: Task) -> str:
+        """The lake with the player's cell as ice: every cell a walk reaches keeps the map."""
+        rows = "/".join(str(r) for r in task.fields["rows"]).replace("P", "F")
+        return f"frozenlake-lake:{rows}{':slippery' if task.fields.get('slippery') else ''}"
 
     def make(self, task: Task) -> Env:
         """A fresh env; its slips are seeded by the task id and the episode's `episode_index`."""

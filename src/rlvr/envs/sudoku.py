@@ -33,6 +33,10 @@ Reward parts (weights in `SudokuFamily.reward_weights`):
   without a stored solution and with more than one completion (hand-made ones only) pay `cells`
   1.0 on a valid grid and 0 otherwise.
 
+Split: by answer grid (`split_key`). A 4x4 Sudoku has only 288 full grids, so a split by puzzle
+held out puzzles whose answer grid was the answer of a train puzzle (all of them, measured); now a
+held-out puzzle's grid is the answer of no train puzzle, at any number of blanks.
+
 Demonstration policies (rlvr.envs.demos): `random_action` keeps the givens and fills each blank with
 a uniform random digit: the answer's shape and "keep the givens", not the logic (it solves a 6-blank
 puzzle with probability 4^-6). Filling each blank from its candidates instead (the digits no given
@@ -224,6 +228,11 @@ class SudokuFamily(EnvFamily):
             if blanks == opts.num_blanks:
                 return make_task(puzzle, solution)
         raise ConfigError(f"sudoku: no puzzle with {opts.num_blanks} blanks for seed {seed}")
+
+    def split_key(self, task: Task) -> str:
+        """The answer grid (the id for a hand-made puzzle with more than one)."""
+        solution = solution_of(task)
+        return task.id if solution is None else "sudoku-grid:" + "".join(map(str, solution))
 
     def make(self, task: Task) -> Env:
         return SudokuEnv(task, puzzle_of(task))
