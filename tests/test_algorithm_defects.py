@@ -16,6 +16,7 @@ functions first, the tiny-model `policy_update` tests last.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any, cast
@@ -253,11 +254,12 @@ def test_turn_credit_that_would_drop_the_estimator_is_refused() -> None:
         load_config(None, ["algorithm=reinforce_pp", "objective.credit=bi-level"])
     with pytest.raises(ValueError, match="group-relative"):
         assign_credit([traj(1.0, (1,)), traj(0.0, (1,))], cfg("objective.credit=turn"), "rloo")
-    # The config's list is every algorithm with another estimator than GRPO's (ppo is refused apart).
-    from rlvr.config import _NOT_GROUP_RELATIVE
+    # Group-relative means GRPO's advantage: the algorithms with another estimator are refused
+    # (ppo apart: GAE accepts no credit mode at all).
+    from rlvr.algorithms.builtin import grpo_advantage
 
-    others = {n for n, spec in ALGORITHMS.items() if spec.advantage not in ("grpo", "gae")}
-    assert set(_NOT_GROUP_RELATIVE) == others
+    for name, algorithm in ALGORITHMS.items():
+        assert algorithm.group_relative == (algorithm.advantage is grpo_advantage), name
 
 
 # ------------------------------------------------------- 5. the logged KL, scored rows only
@@ -402,7 +404,11 @@ def _ratios_of_each_call(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tor
         seen.append(((logp.detach() - old) * mask).abs().max())
         return inner(logp, old, adv, mask, **kw)
 
-    monkeypatch.setitem(POLICY_LOSSES, name, spy)
+    for algorithm_name, algorithm in list(ALGORITHMS.items()):  # each algorithm holds its loss
+        if algorithm.loss is inner:
+            monkeypatch.setitem(
+                ALGORITHMS, algorithm_name, dataclasses.replace(algorithm, loss=spy)
+            )
     return seen
 
 

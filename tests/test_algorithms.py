@@ -270,14 +270,13 @@ def test_aggregate_unknown_mode_raises() -> None:
 
 # --- registry
 def test_algorithm_registry_points_at_registered_functions() -> None:
-    spec = ALGORITHMS["grpo"]
-    assert spec.advantage in ADVANTAGE_ESTIMATORS
-    assert spec.policy_loss in POLICY_LOSSES
-    assert ADVANTAGE_ESTIMATORS[spec.advantage] is grpo_advantages
-    assert POLICY_LOSSES[spec.policy_loss] is ppo_clip_loss
-    assert spec.description
-    for other in ALGORITHMS.values():
-        token_level = other.advantage == "gae"  # ppo: per-token advantages from the critic
-        assert token_level or other.advantage in ADVANTAGE_ESTIMATORS
-        assert other.policy_loss in POLICY_LOSSES
+    algorithm = ALGORITHMS["grpo"]
+    assert algorithm.loss is ppo_clip_loss
+    assert algorithm.description
+    assert ADVANTAGE_ESTIMATORS["grpo"] is grpo_advantages
+    for name, other in ALGORITHMS.items():
+        assert other.name == name
+        # ppo has no outcome advantage: per-token advantages from the critic
+        assert (other.advantage is None) == (other.token_credit == "gae")
+        assert other.loss in POLICY_LOSSES.values()
     assert set(KL_ESTIMATORS) >= {"k1", "k2", "k3"}

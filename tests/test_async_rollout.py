@@ -301,7 +301,7 @@ def async_training(cfg: RunConfig, config_dir: Path, steps: int) -> list[dict[st
     policy = build_policy(cfg)
     tokenizer = policy.tokenizer
     optimizer, scheduler = build_optimizer(policy, cfg)
-    advantage = ALGORITHMS[cfg.algorithm].advantage
+    advantage = ALGORITHMS[cfg.algorithm]
     s = cfg.sampling
     sampling = SamplingParams(
         n=s.group_size, temperature=s.temperature, max_new_tokens=s.max_new_tokens

@@ -96,7 +96,7 @@ def test_ppo_gae_uses_the_critic_values_and_skips_observations() -> None:
         traj(0.0, (1,)),
     ]
     c = cfg("algorithm=ppo", "objective.gae_lambda=0.5", "objective.whiten_advantages=false")
-    credit = assign_credit(trajs, c, "gae", values=[[0.5, 99.0, 0.8], [0.2]])
+    credit = assign_credit(trajs, c, "ppo", values=[[0.5, 99.0, 0.8], [0.2]])
     assert credit.token_advantages[0] == pytest.approx([0.4, 0.0, 0.2])
     assert credit.token_advantages[1] == pytest.approx([-0.2])
     assert credit.returns is not None and credit.old_values is not None
@@ -108,7 +108,7 @@ def test_ppo_gae_uses_the_critic_values_and_skips_observations() -> None:
     credit = assign_credit(
         trajs,
         cfg("algorithm=ppo", "objective.gae_lambda=0.5"),
-        "gae",
+        "ppo",
         values=[[0.5, 99.0, 0.8], [0.2]],
     )
     flat = [
@@ -126,6 +126,6 @@ def test_a_trajectory_that_failed_to_score_gets_no_credit_in_token_level_paths()
     bad = traj(1.0, (1, 1))
     bad = Trajectory(**{**bad.__dict__, "reward_errors": ("correct",)})
     credit = assign_credit(
-        [bad, traj(0.0, (1, 1))], cfg("algorithm=ppo"), "gae", values=[[0.0, 0.0], [0.1, 0.1]]
+        [bad, traj(0.0, (1, 1))], cfg("algorithm=ppo"), "ppo", values=[[0.0, 0.0], [0.1, 0.1]]
     )
     assert credit.token_advantages[0] == [0.0, 0.0]

@@ -561,14 +561,14 @@ def _config_error(spec: str, **kwargs: Any) -> str:
 
 def test_resolve_errors_are_one_line(tmp_path: Path) -> None:
     message = _config_error("foo")
-    assert "not a built-in (one of: answer_tag_format, regex_format" in message
-    assert "'module:function' or 'file.py:function'" in message
+    assert "is not a known reward function (one of: answer_tag_format, regex_format" in message
+    assert "'file.py:Name', 'package.module:Name', or a plug-in" in message
 
     assert "module 'no_such_module_xyz' not found" in _config_error("no_such_module_xyz:f")
     assert "has no attribute 'nope'" in _config_error("rlvr.verifiers.builtin:nope")
     assert "not callable" in _config_error("rlvr.verifiers.builtin:BUILTIN_REWARDS")
     assert "not found" in _config_error(f"{tmp_path / 'missing.py'}:f")
-    assert "expected 'module:function'" in _config_error("rlvr.verifiers:")
+    assert "expected 'module:name'" in _config_error("rlvr.verifiers:")
 
     source = tmp_path / "rewards.py"
     source.write_text("VALUE = 1\n")

@@ -14,10 +14,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from rlvr.errors import ConfigError
+from rlvr.registry import ALGORITHMS as ALGORITHM_REGISTRY
+from rlvr.registry import TRACKERS as TRACKER_REGISTRY
+from rlvr.registry import Registry, absolute_ref
 from rlvr.yaml_types import file_booleans, override_value
 
 
@@ -556,11 +567,12 @@ class CheckpointConfig(_Section):
 
 
 class TrackingConfig(_Section):
-    report_to: list[Literal["trackio", "wandb", "tensorboard", "mlflow"]] = Field(
+    report_to: list[str] = Field(
         ["trackio"],
         description="Trackers that get the metrics, config, alert events and rollouts table, as "
         "TRL spells them; `none` or [] for metrics.jsonl only (always written). wandb, tensorboard "
-        "and mlflow are extras: pip install 'rlvr[wandb]' (docs/tracking.md).",
+        "and mlflow are extras: pip install 'rlvr[wandb]' (docs/tracking.md); your own is "
+        "'file.py:NAME', 'package.module:NAME' or an installed plug-in (docs/extending.md).",
     )
     trackio: bool = Field(True, description="false drops trackio from report_to (older configs).")
     project: str = "rlvr"
@@ -900,69 +912,16 @@ class CurriculumConfig(_Section):
     )
 
 
-AlgorithmName = Literal[
-    "grpo",
-    "dr_grpo",
-    "dapo",
-    "gspo",
-    "cispo",
-    "rloo",
-    "reinforce_pp",
-    "reinforce_pp_baseline",
-    "ppo",
-    "distill",
-]
+def _resolve_extension(registry: Registry[Any], ref: str, config_dir: Any) -> tuple[str, Any]:
+    """(`ref` with a relative file made absolute against the config's folder, what it names).
 
-# Per-algorithm defaults, applied under whatever the config sets (the user's value always wins).
-# Each is the setting of the paper named in docs/algorithms.md; anything absent keeps the field default.
-ALGORITHM_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
-    "grpo": {},
-    # Liu et al. 2025: no std scaling, a constant normaliser instead of per-sequence length.
-    "dr_grpo": {
-        "objective": {"scale_rewards": False, "loss_aggregation": "seq-mean-token-sum-norm"}
-    },
-    # Yu et al. 2025: clip-higher, token-level loss, soft overlong punishment, dynamic sampling.
-    "dapo": {
-        "objective": {
-            "epsilon": 0.2,
-            "epsilon_high": 0.28,
-            "loss_aggregation": "token-mean",
-            "overlong_buffer_fraction": 0.2,
-        },
-        "filter": {"drop_zero_std": True, "dynamic_sampling": True},
-    },
-    # Zheng et al. 2025: sequence-level ratio with a tiny clip range, sequence-mean loss.
-    "gspo": {
-        "objective": {
-            "epsilon": 3e-4,
-            "epsilon_high": 4e-4,
-            "loss_aggregation": "seq-mean-token-mean",
-        }
-    },
-    # Chen et al. 2025 (MiniMax-M1): no lower bound on the IS weight, only an upper one.
-    "cispo": {
-        "objective": {"epsilon": 1.0, "epsilon_high": 0.28, "loss_aggregation": "token-mean"}
-    },
-    # Ahmadian et al. 2024: leave-one-out baseline, no std scaling, sequence-level REINFORCE.
-    "rloo": {"objective": {"scale_rewards": False, "loss_aggregation": "seq-mean-token-sum-norm"}},
-    # Hu 2025: KL in the reward (k1 per token), batch-level normalisation.
-    "reinforce_pp": {"objective": {"kl_in_reward": True, "kl_estimator": "k1"}},
-    "reinforce_pp_baseline": {"objective": {"kl_in_reward": True, "kl_estimator": "k1"}},
-    # Schulman et al. 2017 + GAE (2016): per-token advantages from a critic; gamma 1 for LM episodes.
-    # The KL per token in the reward, k1, as InstructGPT (Ouyang et al. 2022): as a loss term k1's
-    # expected gradient is 0, so with the KL in the loss beta would pull nothing.
-    "ppo": {
-        "objective": {"gae_lambda": 0.95, "gamma": 1.0, "kl_estimator": "k1", "kl_in_reward": True}
-    },
-    # Agarwal et al. 2024 / Lu et al. 2025: reverse KL to a teacher on the student's samples.
-    "distill": {"objective": {"loss_aggregation": "token-mean"}},
-}
-
-
-# Algorithms whose advantage is not GRPO's group-relative one (ppo's GAE is refused separately):
-# `objective.credit: turn` would drop their estimator. Kept in sync with rlvr.algorithms.ALGORITHMS
-# by tests/test_algorithm_defects.py (importing it here would load torch with the config).
-_NOT_GROUP_RELATIVE = ("rloo", "reinforce_pp", "reinforce_pp_baseline")
+    Asked of rlvr.registry, which lists no names here: a built-in, a file, a module or an installed
+    plug-in. An unknown name is a ValueError whose one line names the field and the known names."""
+    ref = absolute_ref(ref, config_dir)
+    try:
+        return ref, registry.resolve(ref)
+    except ConfigError as err:
+        raise ValueError(str(err)) from None
 
 
 def _merge_under(defaults: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
@@ -977,8 +936,11 @@ def _merge_under(defaults: dict[str, Any], data: dict[str, Any]) -> dict[str, An
 
 
 class RunConfig(_Section):
-    algorithm: AlgorithmName = Field(
-        "grpo", description="Chooses advantage estimator, loss and their defaults."
+    algorithm: str = Field(
+        "grpo",
+        description="Chooses advantage function, loss and their defaults: a built-in (grpo, "
+        "dr_grpo, dapo, gspo, cispo, rloo, reinforce_pp, reinforce_pp_baseline, ppo, distill), "
+        "'file.py:NAME', 'package.module:NAME' or an installed plug-in (docs/extending.md).",
     )
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
@@ -1023,13 +985,26 @@ class RunConfig(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _algorithm_defaults(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            defaults = ALGORITHM_DEFAULTS.get(str(data.get("algorithm", "grpo")))
-            if (
-                defaults
-            ):  # an unknown name is left for the Literal check, which lists the valid ones
-                data = _merge_under(defaults, data)
+    def _extensions(cls, data: Any, info: ValidationInfo) -> Any:
+        """The algorithm's defaults merged under the config, and the algorithm and trackers named
+        as the registry finds them (a relative file made absolute: the saved config works from
+        anywhere). `load_config` passes the config file's folder as `config_dir`."""
+        if not isinstance(data, dict):
+            return data
+        config_dir = (info.context or {}).get("config_dir")
+        name = data.get("algorithm", "grpo")
+        if isinstance(name, str):  # anything else is left to the field's own type error
+            ref, algorithm = _resolve_extension(ALGORITHM_REGISTRY, name, config_dir)
+            data = _merge_under(dict(algorithm.defaults), {**data, "algorithm": ref})
+        tracking = data.get("tracking")
+        report_to = tracking.get("report_to") if isinstance(tracking, dict) else None
+        if isinstance(report_to, list | str) and report_to != "none":
+            names = [report_to] if isinstance(report_to, str) else report_to
+            refs = [
+                _resolve_extension(TRACKER_REGISTRY, n, config_dir)[0] if isinstance(n, str) else n
+                for n in names
+            ]
+            data = {**data, "tracking": {**tracking, "report_to": refs}}
         return data
 
     @model_validator(mode="before")
@@ -1097,31 +1072,36 @@ class RunConfig(_Section):
                 "(exact reverse-KL gradient on-policy) or k3 (follows KL(ref || pi)), or set "
                 "objective.kl_in_reward: true"
             )
-        if obj.credit == "turn" and self.algorithm in _NOT_GROUP_RELATIVE:
+        algorithm = ALGORITHM_REGISTRY.resolve(self.algorithm)
+        if algorithm.token_credit == "gae" and obj.credit != "trajectory":
+            raise ValueError(
+                f"objective.credit is not used by {algorithm.name}: GAE assigns credit per token "
+                "from the critic (turn rewards land on each turn's last token)"
+            )
+        if obj.credit == "turn" and not algorithm.group_relative:
             raise ValueError(
                 f"objective.credit turn replaces the outcome advantage with group-relative turn "
                 f"returns, so {self.algorithm}'s estimator would be unused: use credit bi-level "
                 f"({self.algorithm}'s advantage plus the turn term) or trajectory"
             )
-        if obj.credit == "gigpo" and self.algorithm in _NOT_GROUP_RELATIVE:
+        if obj.credit == "gigpo" and not algorithm.group_relative:
             raise ValueError(
                 f"objective.credit gigpo adds group-relative step advantages (anchor states) to a "
                 f"group-relative episode advantage; {self.algorithm}'s is not: use grpo, dr_grpo, "
                 "dapo, gspo or cispo, or credit bi-level"
             )
-        if self.algorithm == "reinforce_pp" and obj.kl_in_reward and obj.credit != "trajectory":
+        if (
+            algorithm.token_credit == "reward_to_go"
+            and obj.kl_in_reward
+            and obj.credit != "trajectory"
+        ):
             raise ValueError(
-                "reinforce_pp with the KL in the reward assigns credit per token (reward-to-go, "
+                f"{algorithm.name} with the KL in the reward assigns credit per token (reward-to-go, "
                 "each turn's reward on its last token): objective.credit must be trajectory"
             )
-        if self.algorithm == "ppo" and obj.credit != "trajectory":
+        if algorithm.needs_teacher and self.distill.teacher is None:
             raise ValueError(
-                "objective.credit is not used by ppo: GAE assigns credit per token from the critic "
-                "(turn rewards land on each turn's last token)"
-            )
-        if self.algorithm == "distill" and self.distill.teacher is None:
-            raise ValueError(
-                "algorithm 'distill' needs distill.teacher (a model alias or directory)"
+                f"algorithm '{algorithm.name}' needs distill.teacher (a model alias or directory)"
             )
         if self.rollout.mode == "external" and (self.external.agent is None) == (
             self.external.command is None
@@ -1293,8 +1273,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             )
         data = file_booleans(loaded, RunConfig)  # `bf16: off` means "off" (yaml_types.py)
     data = apply_overrides(data, overrides or [], RunConfig)
+    # Files a config names (algorithm, trackers) are found from its folder.
+    context = {"config_dir": Path(path).parent.resolve()} if path is not None else None
     try:
-        return RunConfig.model_validate(data)
+        return RunConfig.model_validate(data, context=context)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, source)) from None
 

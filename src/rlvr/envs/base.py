@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rlvr.errors import ConfigError
 from rlvr.records import Task
+from rlvr.registry import ENVS
 
 Message = dict[str, Any]
 
@@ -192,22 +193,17 @@ def register_env(cls: type[EnvFamily]) -> type[EnvFamily]:
 
 
 def get_env_family(name: str, options: Mapping[str, Any] | None = None) -> EnvFamily:
-    """A built-in family by name, or your own: 'file.py:MyFamily' / 'package.module:MyFamily'."""
-    import rlvr.envs.catalog  # noqa: F401  (registers the built-ins)
+    """A built-in family by name, an installed plug-in (entry-point group `rlvr.envs`), or your own:
+    'file.py:MyFamily' / 'package.module:MyFamily' (rlvr.registry)."""
+    family: type[EnvFamily] = ENVS.resolve(name)
+    return family(options)
 
-    if ":" in name:
-        from rlvr.verifiers.rubric import resolve_callable  # the same file/module loader
 
-        target: Any = resolve_callable(name, what="env")
-        if not (isinstance(target, type) and issubclass(target, EnvFamily)):
-            raise ConfigError(f"task.env.name '{name}' is not an EnvFamily subclass")
-        return target(options)
-    if name not in ENV_FAMILIES:
-        raise ConfigError(
-            f"task.env.name '{name}' is not a known env (one of: {', '.join(sorted(ENV_FAMILIES))}; "
-            "or 'file.py:YourFamily')"
-        )
-    return ENV_FAMILIES[name](options)
+def as_env_family(obj: Any, ref: str) -> type[EnvFamily]:
+    """`obj` if it is an EnvFamily subclass (rlvr.registry's check for `task.env.name`)."""
+    if not (isinstance(obj, type) and issubclass(obj, EnvFamily)):
+        raise ConfigError(f"task.env.name '{ref}' is not an EnvFamily subclass")
+    return obj
 
 
 class SingleTurnEnv(Env):

@@ -7,6 +7,11 @@ named; trackio is a dependency (the default).
 
 A resumed run continues the same tracker run: what names it (wandb's run id, mlflow's run id) is kept
 in RUN_DIR/trackers.json, written when the run starts.
+
+`report_to` names a tracker the way every extension is named (rlvr.registry): a built-in of
+`BUILTIN_TRACKERS`, 'file.py:MyTracker', 'package.module:MyTracker' or an installed plug-in (entry
+point group `rlvr.trackers`). A tracker is a `Backend` subclass built from a `TrackerStart`
+(docs/extending.md has one with its resume).
 """
 
 from __future__ import annotations
@@ -16,15 +21,14 @@ import os
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from rlvr.errors import ConfigError, RlvrError
+from rlvr.registry import TRACKERS
 
-# Each tracker's import name, which is also the name of its extra in pyproject.toml (trackio is a
-# dependency, not an extra).
-TRACKERS = ("trackio", "wandb", "tensorboard", "mlflow")
 STATE_FILE = "trackers.json"
 EVENT_COLUMNS = ["step", "event", "action", "message", "details"]
 ROLLOUT_COLUMNS = [
@@ -43,15 +47,17 @@ ROLLOUT_COLUMNS = [
 
 
 def require_trackers(names: Sequence[str]) -> None:
-    """Fail before the model loads when a named tracker's library is not installed."""
+    """Fail before the model loads when a named tracker is unknown or its library not installed."""
     import importlib.util
 
     for name in names:
-        if importlib.util.find_spec(name) is None:
-            how = "pip install trackio" if name == "trackio" else f"pip install 'rlvr[{name}]'"
-            raise ConfigError(
-                f"tracking.report_to has {name}, but its library is not installed: {how}"
-            )
+        tracker: type[Backend] = TRACKERS.resolve(name)
+        for library in tracker.requires:
+            if importlib.util.find_spec(library) is None:
+                how = tracker.install or f"pip install {library}"
+                raise ConfigError(
+                    f"tracking.report_to has {name}, but its library is not installed: {how}"
+                )
 
 
 def numeric(metrics: dict[str, Any]) -> dict[str, float]:
@@ -82,13 +88,42 @@ def event_row(event: dict[str, Any]) -> list[Any]:
     ]
 
 
+@dataclass(frozen=True)
+class TrackerStart:
+    """What a tracker is built from. `resume_step` is the checkpoint a resumed run continues from
+    (None on a fresh run); `saved` is what this tracker's `state()` returned when the run last
+    started ({} on a fresh run, or when it was not used then)."""
+
+    run_dir: Path
+    project: str
+    run_name: str
+    config: dict[str, Any]
+    resume_step: int | None = None
+    saved: dict[str, Any] = field(default_factory=dict)
+
+
 class Backend:
-    """One tracker. `resumed_upto`: the last step the tracker's run already holds when a resumed
-    run continues it; wandb and mlflow keep what they were sent (wandb refuses an earlier step), so
-    the redone steps after the checkpoint, equal under an exact resume, are not sent twice."""
+    """One tracker; subclass it to add one (docs/extending.md).
+
+    `__init__(start: TrackerStart)` opens the tracker's run: on resume (`start.resume_step` set),
+    the same run again, found from `start.saved`. `state()` returns what RUN_DIR/trackers.json keeps
+    for that (under `name`). `log` gets a step's numeric metrics, `log_event` an alert or curriculum
+    event, `log_rollouts` the step's rollout rows, `close` ends the run.
+
+    `resumed_upto`: the last step the tracker's run already holds when a resumed run continues it;
+    wandb and mlflow keep what they were sent (wandb refuses an earlier step), so the redone steps
+    after the checkpoint, equal under an exact resume, are not sent twice (`sends`).
+    `requires`: modules that must be importable (checked before the model loads), and `install`
+    the line that says how to get them.
+    """
 
     name = ""
+    requires: tuple[str, ...] = ()
+    install = ""
     resumed_upto: int | None = None
+
+    def __init__(self, start: TrackerStart) -> None:
+        self.start = start
 
     def state(self) -> dict[str, Any]:
         """What RUN_DIR/trackers.json keeps so that a resume continues this tracker's run."""
@@ -111,15 +146,17 @@ class TrackioBackend(Backend):
     """Local, no server (the default). A resume reopens the run of the same name."""
 
     name = "trackio"
+    requires = ("trackio",)
+    install = "pip install trackio"
 
-    def __init__(self, *, project: str, run_name: str, config: dict[str, Any], resuming: bool):
+    def __init__(self, start: TrackerStart) -> None:
         import trackio
 
         trackio.init(
-            project=project,
-            name=run_name,
-            config=config,
-            resume="allow" if resuming else "never",
+            project=start.project,
+            name=start.run_name,
+            config=start.config,
+            resume="allow" if start.resume_step is not None else "never",
             embed=False,
         )
         self._trackio = trackio
@@ -137,20 +174,20 @@ class WandbBackend(Backend):
     `events` Table redrawn at each event, plus `run.alert` (a notification on online runs)."""
 
     name = "wandb"
+    requires = ("wandb",)
+    install = "pip install 'rlvr[wandb]'"
 
-    def __init__(
-        self,
-        run_dir: Path,
-        *,
-        project: str,
-        run_name: str,
-        config: dict[str, Any],
-        saved: dict[str, Any],
-    ) -> None:
+    def __init__(self, start: TrackerStart) -> None:
         import wandb
 
         self._wandb: Any = wandb
-        run_id = saved.get("id")
+        project, run_name, config, run_dir = (
+            start.project,
+            start.run_name,
+            start.config,
+            start.run_dir,
+        )
+        run_id = start.saved.get("id")
         mode: Any = os.environ.get("WANDB_MODE") or None  # online, offline, disabled
         try:
             self._run = wandb.init(
@@ -209,15 +246,17 @@ class TensorBoardBackend(Backend):
     the checkpoint (purge_step), so the redone steps replace the old ones."""
 
     name = "tensorboard"
+    requires = ("tensorboard",)
+    install = "pip install 'rlvr[tensorboard]'"
 
-    def __init__(self, run_dir: Path, *, config: dict[str, Any], resume_step: int | None):
+    def __init__(self, start: TrackerStart) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.log_dir = run_dir / "tensorboard"
-        purge = None if resume_step is None else resume_step + 1
+        self.log_dir = start.run_dir / "tensorboard"
+        purge = None if start.resume_step is None else start.resume_step + 1
         self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge)
-        if resume_step is None:
-            text = json.dumps(config, indent=2)
+        if start.resume_step is None:
+            text = json.dumps(start.config, indent=2)
             self._writer.add_text("config", f"```\n{text}\n```", 0)
 
     def state(self) -> dict[str, Any]:
@@ -260,20 +299,21 @@ class MlflowBackend(Backend):
     the UI shows it); events the table artifact events.json."""
 
     name = "mlflow"
+    requires = ("mlflow",)
+    install = "pip install 'rlvr[mlflow]'"
 
-    def __init__(
-        self,
-        run_dir: Path,
-        *,
-        project: str,
-        run_name: str,
-        config: dict[str, Any],
-        saved: dict[str, Any],
-    ) -> None:
+    def __init__(self, start: TrackerStart) -> None:
         from mlflow.entities import Param
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
+        project, run_name, config, run_dir = (
+            start.project,
+            start.run_name,
+            start.config,
+            start.run_dir,
+        )
+        saved = start.saved
         uri = saved.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
         try:
             self._client = MlflowClient(tracking_uri=uri)
@@ -354,6 +394,25 @@ def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+# The built-in trackers, by the name `report_to` gives them (as TRL spells them).
+BUILTIN_TRACKERS: dict[str, type[Backend]] = {
+    "trackio": TrackioBackend,
+    "wandb": WandbBackend,
+    "tensorboard": TensorBoardBackend,
+    "mlflow": MlflowBackend,
+}
+
+
+def as_tracker_class(obj: Any, ref: str) -> type[Backend]:
+    """`obj` if it is a Backend subclass (rlvr.registry's check for `tracking.report_to`)."""
+    if not (isinstance(obj, type) and issubclass(obj, Backend)):
+        raise ConfigError(
+            f"tracking.report_to {ref!r} is not a tracker: a subclass of "
+            "rlvr.observe.trackers.Backend (docs/extending.md)"
+        )
+    return obj
+
+
 def open_backends(
     run_dir: Path,
     names: Sequence[str],
@@ -364,44 +423,25 @@ def open_backends(
     resume_step: int | None,
     resumed_upto: int | None,
 ) -> list[Backend]:
-    """Start (or, on resume, continue) each named tracker; record their run ids in trackers.json."""
+    """Start (or, on resume, continue) each named tracker; record their run ids in trackers.json,
+    each under its `name` (the config's name for it when the class sets none)."""
     require_trackers(names)
     path = run_dir / STATE_FILE
     saved = json.loads(path.read_text()) if resume_step is not None and path.exists() else {}
     backends: list[Backend] = []
+    keys: list[str] = []
     for name in names:
-        backend: Backend
-        if name == "trackio":
-            backend = TrackioBackend(
-                project=project,
-                run_name=run_name,
-                config=config,
-                resuming=resume_step is not None,
-            )
-        elif name == "wandb":
-            backend = WandbBackend(
-                run_dir,
-                project=project,
-                run_name=run_name,
-                config=config,
-                saved=saved.get(name, {}),
-            )
-        elif name == "tensorboard":
-            backend = TensorBoardBackend(run_dir, config=config, resume_step=resume_step)
-        elif name == "mlflow":
-            backend = MlflowBackend(
-                run_dir,
-                project=project,
-                run_name=run_name,
-                config=config,
-                saved=saved.get(name, {}),
-            )
-        else:
-            raise ConfigError(f"unknown tracker {name!r}; known: {', '.join(TRACKERS)}")
-        if saved.get(name):  # the same tracker run as before the stop
+        tracker: type[Backend] = TRACKERS.resolve(name)
+        key = tracker.name or name
+        start = TrackerStart(
+            run_dir, project, run_name, config, resume_step, dict(saved.get(key) or {})
+        )
+        backend = tracker(start)
+        if saved.get(key):  # the same tracker run as before the stop
             backend.resumed_upto = resumed_upto
         backends.append(backend)
-    state = {**saved, **{b.name: b.state() for b in backends if b.state()}}
+        keys.append(key)
+    state = {**saved, **{k: b.state() for k, b in zip(keys, backends, strict=True) if b.state()}}
     if state:  # kept for trackers left out of this resume too: a later one may name them again
         path.write_text(json.dumps(state, indent=2) + "\n")
     return backends

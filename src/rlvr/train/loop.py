@@ -48,7 +48,6 @@ import torch
 import yaml
 from rich.markup import escape
 
-from rlvr.algorithms import ALGORITHMS
 from rlvr.allocator import keep_freed_memory
 from rlvr.build import build_optimizer, build_policy, rollout_limits, use_bf16
 from rlvr.config import RunConfig, config_to_dict, load_config
@@ -71,6 +70,7 @@ from rlvr.observe.tracking import NullTracker, Tracker, read_metrics
 from rlvr.observe.watchdog import Watchdog, watch
 from rlvr.plan import check_fits
 from rlvr.records import flatten
+from rlvr.registry import ALGORITHMS
 from rlvr.rollout.generator import SamplingParams
 from rlvr.tasks import TaskSplits
 from rlvr.train import precision_choice
@@ -204,14 +204,14 @@ def train(
             dist.prepare_policy(policy, bf16=precision.bf16)
         optimizer, scheduler = build_optimizer(policy, cfg)
         is_main = dist is None or dist.is_main
-        spec = ALGORITHMS[cfg.algorithm]
+        algorithm = ALGORITHMS.resolve(cfg.algorithm)
         # ppo's value model and distill's teacher: built only for the algorithms that use them.
         critic = (
             RunCritic(cfg, int(tokenizer.pad_token_id), device_of(policy.model))
-            if spec.needs_critic
+            if algorithm.needs_critic
             else None
         )
-        teacher = build_teacher(cfg, policy) if spec.needs_teacher else None
+        teacher = build_teacher(cfg, policy) if algorithm.needs_teacher else None
         metrics_of = {s.metric for s in sources}
         monitors = Monitors(
             cfg.monitors,
@@ -343,7 +343,7 @@ def train(
             ref_logprobs = reference_logprobs(policy, trajectories, cfg, dist=dist)
             values = critic.token_values(trajectories) if critic is not None else None
             credit = assign_credit(
-                trajectories, cfg, spec.advantage, ref_logprobs=ref_logprobs, values=values
+                trajectories, cfg, algorithm, ref_logprobs=ref_logprobs, values=values
             )
             token_adv = credit.token_advantages
             # 3. the update: the critic towards its returns, the policy along its advantages

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlvr.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, group_reward_std, zero_outside
+from rlvr.algorithms import KL_ESTIMATORS, AdvantageBatch, Algorithm, group_reward_std, zero_outside
 from rlvr.algorithms.credit import (
     anchor_group_metrics,
     gigpo_step_advantages,
@@ -36,6 +36,7 @@ from rlvr.algorithms.gae import (
 from rlvr.algorithms.shaping import soft_overlong_penalty
 from rlvr.config import RunConfig
 from rlvr.records import Group, Trajectory, flatten
+from rlvr.registry import ALGORITHMS
 
 HOST = torch.device("cpu")  # where credit assignment computes (module docstring)
 
@@ -105,20 +106,23 @@ def _unpadded(tensor_B_T: torch.Tensor, rows: Sequence[Sequence[float]]) -> list
 def assign_credit(
     trajectories: Sequence[Trajectory],
     cfg: RunConfig,
-    estimator: str,
+    algorithm: Algorithm | str | None = None,
     *,
     ref_logprobs: Sequence[Sequence[float]] | None = None,
     values: Sequence[Sequence[float]] | None = None,
 ) -> Credit:
     """Per-token advantages for each trajectory (completion tokens), as the algorithm says.
 
+    `algorithm`: an Algorithm, or a name for rlvr.registry; `cfg.algorithm` when None.
     Shaping first (DAPO's soft overlong punishment), then the KL penalty when it is in the reward
     (`ref_logprobs` given: per completion token, under the reference), then one of
-    - "gae" (ppo): per-token rewards, GAE against the critic's `values`, whitened over the batch;
-    - token-level REINFORCE++ (reinforce_pp with the KL in the reward): reward-to-go per token,
+    - GAE (`token_credit="gae"`, ppo): per-token rewards, GAE against the critic's `values`,
       whitened over the batch;
-    - an outcome estimator (grpo, rloo, ...): one advantage per trajectory (the KL summed into its
-      reward), spread over tokens as `objective.credit` says. Turn credit sees the same shaped,
+    - reward-to-go (`token_credit="reward_to_go"`, reinforce_pp) when the KL is in the reward: per
+      token, whitened over the batch;
+    - the algorithm's advantage function (grpo, rloo, ...): one advantage per trajectory from the
+      whole batch (`AdvantageBatch`: rewards with the KL summed in, validity, group size, lengths,
+      turns), spread over tokens as `objective.credit` says. Turn credit sees the same shaped,
       KL-penalised reward, split by turn (`_shaped_turn_rewards`); so does gigpo, whose step
       advantages group turns by the state they acted from (`turn_state_keys`).
 
@@ -128,12 +132,16 @@ def assign_credit(
     """
     if not trajectories:
         return Credit([])
+    if not isinstance(algorithm, Algorithm):
+        resolved: Algorithm = ALGORITHMS.resolve(cfg.algorithm if algorithm is None else algorithm)
+        algorithm = resolved
     obj, group_size = cfg.objective, cfg.sampling.group_size
-    if obj.credit in ("turn", "gigpo") and estimator != "grpo":
+    if obj.credit in ("turn", "gigpo") and not algorithm.group_relative:
         # Turn credit is group-relative over turn returns: another estimator would be silently unused.
         # GiGPO's step term is group-relative too, so its episode term must be (the paper's GRPO).
         raise ValueError(
-            f"objective.credit {obj.credit!r} needs a group-relative estimator, not {estimator!r}"
+            f"objective.credit {obj.credit!r} needs a group-relative estimator, not "
+            f"{algorithm.name!r}"
         )
     metrics: dict[str, float] = {}
     shaping_B = torch.zeros(len(trajectories), device=HOST)
@@ -161,7 +169,8 @@ def assign_credit(
         n_tokens = sum(sum(m) for t, m in zip(trajectories, masks, strict=True) if t.usable)
         metrics["kl"] = sum(sum(r) for r in kl_rows) / max(n_tokens, 1.0)
 
-    token_level = estimator == "gae" or (estimator == "reinforce_pp" and kl_rows is not None)
+    gae = algorithm.token_credit == "gae"
+    token_level = gae or (algorithm.token_credit == "reward_to_go" and kl_rows is not None)
     if token_level:
         mask_B_T = _padded(masks) * valid_B[:, None].float()
         # Each turn's reward on its last policy token (single-turn: the outcome on the last token),
@@ -173,8 +182,8 @@ def assign_credit(
             _padded(kl_rows) if kl_rows is not None else None,
             obj.beta,
         )
-        if estimator == "gae":
-            assert values is not None, "ppo needs the critic's values"
+        if gae:
+            assert values is not None, f"{algorithm.name} needs the critic's values"
             values_B_T = zero_outside(_padded(values), mask_B_T)
             adv_B_T, returns_B_T = gae_advantages(
                 rewards_B_T, values_B_T, mask_B_T, obj.gamma, obj.gae_lambda
@@ -195,9 +204,17 @@ def assign_credit(
     rewards_B = torch.tensor(rewards, dtype=torch.float32, device=HOST) + shaping_B
     if kl_rows is not None:
         rewards_B = rewards_B - obj.beta * torch.tensor([sum(r) for r in kl_rows], device=HOST)
-    advantages_B = ADVANTAGE_ESTIMATORS[estimator](
-        rewards_B, valid_B, group_size, scale_rewards=obj.scale_rewards
-    ).tolist()
+    assert algorithm.advantage is not None  # only GAE algorithms have none (Algorithm checks)
+    batch = AdvantageBatch(
+        rewards_B=rewards_B,
+        valid_B=valid_B,
+        group_size=group_size,
+        lengths_B=torch.tensor([t.num_policy_tokens for t in trajectories], device=HOST),
+        turns_B=torch.tensor([len(t.turns) for t in trajectories], device=HOST),
+        scale_rewards=obj.scale_rewards,
+        trajectories=trajectories,
+    )
+    advantages_B = algorithm.advantage(batch).tolist()
     if obj.credit == "trajectory":
         return Credit(
             [token_advantages(t, a, None) for t, a in zip(trajectories, advantages_B, strict=True)],

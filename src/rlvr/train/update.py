@@ -22,9 +22,7 @@ from typing import Any
 import torch
 
 from rlvr.algorithms import (
-    ALGORITHMS,
     KL_ESTIMATORS,
-    POLICY_LOSSES,
     aggregate,
     full_reverse_kl,
     truncated_importance_weights,
@@ -36,6 +34,7 @@ from rlvr.devices import device_of
 from rlvr.models import Policy
 from rlvr.observe.flops import backward_flops, forward_flops, linear_weights
 from rlvr.records import Trajectory
+from rlvr.registry import ALGORITHMS
 from rlvr.scale.torch_dist import DistContext, contiguous_cuts
 from rlvr.train.batch import (
     TrainBatch,
@@ -272,7 +271,7 @@ def policy_update(
     started = time.perf_counter()
     obj, model = cfg.objective, policy.model
     bf16 = use_bf16(cfg.model)
-    loss_fn = POLICY_LOSSES[ALGORITHMS[cfg.algorithm].policy_loss]
+    loss_fn = ALGORITHMS.resolve(cfg.algorithm).loss
     usable = [i for i, t in enumerate(trajectories) if trains_on(t, cfg)]
     if not usable:
         return {"update/skipped": 1.0}

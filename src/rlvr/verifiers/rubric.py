@@ -12,24 +12,20 @@ live in trl_style.py; splitting the rest would scatter the error rules a reader 
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import MappingProxyType, ModuleType
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from rlvr.errors import ConfigError
 from rlvr.observe.watchdog import watch
 from rlvr.records import Task, Trajectory
-from rlvr.verifiers.builtin import BUILTIN_REWARDS
+from rlvr.registry import REWARDS, load_object
 from rlvr.verifiers.trl_style import (
     TRL_ARGUMENTS,
     RewardStyle,
@@ -43,6 +39,7 @@ __all__ = [
     "RewardFunction",
     "Rubric",
     "Score",
+    "as_reward_function",
     "parallel_reward",
     "resolve_callable",
     "resolve_reward_fn",
@@ -93,96 +90,40 @@ def _describe(exc: BaseException) -> str:
     return _one_line(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
 
 
-# Files loaded by path, keyed by resolved path: two rubric entries naming functions in the same file
-# share one module (and one execution of its top-level code).
-_FILE_MODULES: dict[Path, ModuleType] = {}
-
-
-def _load_file(spec: str, file_part: str, base_dir: Path | None, what: str) -> ModuleType:
-    path = Path(file_part).expanduser()
-    if not path.is_absolute() and base_dir is not None:
-        path = base_dir / path
-    if not path.is_file():
-        raise ConfigError(f"{what} {spec!r}: file {str(path)!r} not found")
-    path = path.resolve()
-    if path in _FILE_MODULES:
-        return _FILE_MODULES[path]
-    # A unique module name, registered in sys.modules, so dataclasses and pickling inside work.
-    module_name = f"_rlvr_reward_{path.stem}_{abs(hash(str(path))):x}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ConfigError(f"{what} {spec!r}: cannot load {str(path)!r} as Python")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[module_name]
-        raise ConfigError(
-            f"{what} {spec!r}: importing {str(path)!r} failed: {_describe(exc)}"
-        ) from exc
-    _FILE_MODULES[path] = module
-    return module
-
-
-def _import_module(spec: str, module_name: str, what: str) -> ModuleType:
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        missing = exc.name or ""
-        if missing == module_name or module_name.startswith(missing + "."):
-            raise ConfigError(f"{what} {spec!r}: module {module_name!r} not found") from None
-        raise ConfigError(
-            f"{what} {spec!r}: importing {module_name!r} failed: {_describe(exc)}"
-        ) from exc
-    except Exception as exc:
-        raise ConfigError(
-            f"{what} {spec!r}: importing {module_name!r} failed: {_describe(exc)}"
-        ) from exc
-
-
 def resolve_reward_fn(
     spec: str, base_dir: str | os.PathLike[str] | None = None
 ) -> Callable[..., float]:
     """Turn a config string into a reward function.
 
-    `spec` is a built-in name (see `BUILTIN_REWARDS`), `"package.module:function"`, or
-    `"path/to/file.py:function"` (relative paths are taken from `base_dir`, e.g. the config file's
-    folder, else the working directory). The attribute may be dotted (`module:Class.method`). Every
-    failure is a `ConfigError` whose one-line message says what was wrong, so the CLI can print it
-    without a traceback before any model is loaded.
+    `spec` is a built-in name (see `BUILTIN_REWARDS`), an installed plug-in (entry-point group
+    `rlvr.rewards`), `"package.module:function"`, or `"path/to/file.py:function"` (relative paths
+    are taken from `base_dir`, e.g. the config file's folder, else the working directory). The
+    attribute may be dotted (`module:Class.method`). Every failure is a `ConfigError` whose one-line
+    message says what was wrong, so the CLI can print it without a traceback before any model is
+    loaded.
     """
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
-    if ":" not in spec:
-        raise ConfigError(
-            f"reward function {spec!r} is not a built-in (one of: {', '.join(BUILTIN_REWARDS)}) "
-            "and not 'module:function' or 'file.py:function'"
-        )
-    fn: Callable[..., float] = resolve_callable(spec, base_dir, "reward function")
+    fn: Callable[..., float] = REWARDS.resolve(spec, base_dir)
+    return fn
+
+
+def as_reward_function(obj: Any, ref: str) -> Callable[..., float]:
+    """`obj` if it is callable (rlvr.registry's check for reward functions)."""
+    if not callable(obj):
+        raise ConfigError(f"reward function {ref!r} is a {type(obj).__name__}, not callable")
+    fn: Callable[..., float] = obj
     return fn
 
 
 def resolve_callable(
     spec: str, base_dir: str | os.PathLike[str] | None = None, what: str = "reward function"
 ) -> Any:
-    """The object that `"package.module:attr"` or `"path/to/file.py:attr"` names; `what` says what
-    it is for in every error message (an env file is called an env file, not a reward function)."""
-    # rsplit: a Windows path ("C:\\x\\r.py:fn") has a colon of its own.
+    """The callable that `"package.module:attr"` or `"path/to/file.py:attr"` names; `what` says
+    what it is for in every error message (rlvr.registry.load_object, plus the callable check)."""
     location, _, attr_path = spec.rpartition(":")
     if not location or not attr_path:
         noun = "function" if what == "reward function" else "name"
         raise ConfigError(f"{what} {spec!r}: expected 'module:{noun}' or 'file.py:{noun}'")
-    is_file = location.endswith(".py") or "/" in location or os.sep in location
-    if is_file:
-        module = _load_file(spec, location, Path(base_dir) if base_dir is not None else None, what)
-    else:
-        module = _import_module(spec, location, what)
-    target: Any = module
-    for part in attr_path.split("."):
-        if not hasattr(target, part):
-            raise ConfigError(f"{what} {spec!r}: {location!r} has no attribute {part!r}")
-        target = getattr(target, part)
+    target = load_object(spec, base_dir, what)
     if not callable(target):
         raise ConfigError(
             f"{what} {spec!r}: {attr_path!r} is a {type(target).__name__}, not callable"
