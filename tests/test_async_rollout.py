@@ -93,8 +93,9 @@ def test_the_documented_version_schedule_and_the_staleness_bound(max_staleness: 
     for k, (by, now, metrics) in enumerate(rows, start=1):
         assert set(metrics) == METRIC_KEYS
         assert now == k - 1  # one publish per step
-        # 0: always the current weights; >= 1: round k sampled by version max(0, k - 2).
-        assert by == (k - 1 if max_staleness == 0 else max(0, k - 2)), (k, by)
+        # 0: always the current weights; >= 1: round k sampled by version max(0, k - 1 - bound),
+        # so with bound 2 the producer runs two versions behind from round 3 on.
+        assert by == (k - 1 if max_staleness == 0 else max(0, k - 1 - max_staleness)), (k, by)
         assert metrics["async/staleness"] == now - by <= max_staleness
         assert metrics["async/weights_version"] == by
         assert metrics["async/dropped_rounds"] == 0
@@ -108,13 +109,15 @@ def test_rounds_older_than_the_bound_are_dropped_and_resampled() -> None:
         assert by == now  # the stale round was dropped; its replacement used the newest weights
         assert metrics["async/staleness"] == 0
         assert metrics["async/dropped_rounds"] == k - 1  # cumulative: every round after the first
-    # With max_staleness 2 the same rounds are within the bound: kept, 2 versions old.
+    # With max_staleness 2 two rounds are queued ahead: the first queued one is 2 versions old
+    # when consumed (kept), the second 4 (dropped, asked again at the back of the queue).
     rows = run_schedule(max_staleness=2, steps=5, publishes_per_step=2)
     assert [now - by for by, now, _ in rows] == [0, 2, 2, 2, 2]
-    assert rows[-1][2]["async/dropped_rounds"] == 0
+    assert rows[-1][2]["async/dropped_rounds"] == 2
+    # Three publishes per step: every queued round is 3 old; two dropped per step after the first.
     rows = run_schedule(max_staleness=2, steps=4, publishes_per_step=3)
     assert [now - by for by, now, _ in rows] == [0, 0, 0, 0]
-    assert rows[-1][2]["async/dropped_rounds"] == 3
+    assert rows[-1][2]["async/dropped_rounds"] == 6
 
 
 def test_the_next_round_is_sampled_while_the_learner_updates() -> None:
@@ -327,12 +330,21 @@ def async_training(cfg: RunConfig, config_dir: Path, steps: int) -> list[dict[st
     with AsyncRollout(policy, make_generator, play, cfg.rollout.max_staleness) as rollout:
         for _ in range(steps):
             trajectories = flatten(rollout.next_round())
+            # Versions between the weights that sampled each trajectory and the ones it trains.
+            trained_staleness = [rollout.version - t.info["weights_version"] for t in trajectories]
             credit = assign_credit(trajectories, cfg, advantage)
             update = policy_update(policy, optimizer, trajectories, credit.token_advantages, cfg)
             rollout.publish(policy)
             scheduler.step()
             reward = statistics.fmean(t.reward for t in trajectories)
-            rows.append({**update, **rollout.last_metrics, "reward": reward})
+            rows.append(
+                {
+                    **update,
+                    **rollout.last_metrics,
+                    "reward": reward,
+                    "trained_staleness_max": max(trained_staleness),
+                }
+            )
     return rows
 
 
@@ -377,3 +389,29 @@ def test_async_training_learns_the_tiny_task(
     last = statistics.fmean(r["reward"] for r in rows[-5:])
     # Seed 1 here: 0.13 -> 0.37 (seeds 2, 3: +0.26, +0.19).
     assert last > first + 0.15, (first, last)
+
+
+@pytest.mark.parametrize("bound", [2, 3])
+def test_the_sampler_runs_up_to_the_bound_behind_and_never_further(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path, bound: int
+) -> None:
+    """rollout.max_staleness k: from round k+1 on every trajectory trained on was sampled by the
+    weights of exactly k updates before (the producer really runs k versions behind), and none is
+    older; the staleness metrics say so per trajectory."""
+    steps = bound + 2
+    cfg = tiny_async_cfg(
+        tiny_config_dir,
+        tiny_model_dir,
+        tmp_path / "run",
+        "train.seed=1",
+        f"rollout.max_staleness={bound}",
+        "sampling.max_new_tokens=4",
+    )
+    rows = async_training(cfg, tiny_config_dir, steps)
+    # Round i (1-based) is consumed at version i-1 and sampled by max(0, i-1-k).
+    expected = [min(i, bound) for i in range(steps)]
+    assert [r["trained_staleness_max"] for r in rows] == expected
+    assert [r["rollout/staleness_max"] for r in rows] == expected
+    assert [r["rollout/staleness_mean"] for r in rows] == expected  # one round per step
+    assert rows[-1][f"rollout/staleness_hist/{bound}"] == 1.0
+    assert all(r["async/dropped_rounds"] == 0 for r in rows)
