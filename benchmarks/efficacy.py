@@ -15,7 +15,7 @@ For each row (an env or task at one difficulty, trained from its example config)
 
 A warm-up row (`pipeline=True`, examples/env_*_warmup.yaml) runs a pipeline instead: an SFT format
 warm-up on demonstrations of random legal actions played on the RL config's train instances
-(rlvr.envs.demos: they teach the answer format, not the task), then the RL stage with what is left
+(rlvr.authoring.demos: they teach the answer format, not the task), then the RL stage with what is left
 of the budget. It also scores the warm-up's model alone (`after warm-up`), so the gain RL adds over
 the format is reported apart (`rl_gain`); its training minutes include the warm-up.
 
@@ -477,7 +477,7 @@ def render(results: list[dict[str, Any]]) -> str:
         "at a time on a 2-core CPU; `train min` is training wall time, evals excluded.",
         "",
         "Rows ending \"format warm-up, then RL\" run a pipeline (examples/env_*_warmup.yaml): SFT on",
-        "demonstrations of random legal actions played on train instances (rlvr.envs.demos; they",
+        "demonstrations of random legal actions played on train instances (rlvr.authoring.demos; they",
         "teach the answer format, not the task), then the RL. `after warm-up` is the SFT model alone,",
         "so the gain RL adds is shown apart (\"RL alone\", against the warm-up); their `train min`",
         "includes the warm-up.",

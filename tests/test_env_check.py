@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr.envs.check import check_env
+from rlvr.authoring.check import check_env
 from rlvr.models import eos_token_ids, load_policy, tiny_tokenizer
 from rlvr.observe.inspect import TRAINED_CLOSE, TRAINED_OPEN
 from rlvr.rollout.hf import HFGenerator

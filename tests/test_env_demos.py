@@ -1,4 +1,4 @@
-"""`rlvr env demos` (rlvr.envs.demos): demonstrations for a format warm-up before RL.
+"""`rlvr env demos` (rlvr.authoring.demos): demonstrations for a format warm-up before RL.
 
 What must hold: a random demonstration's every assistant turn is a legal, well-formed action of
 its env (replayed in a fresh env, no turn is invalid); only train instances are played; the rows
@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from rlvr.cli import app
 from rlvr.config import TaskConfig
 from rlvr.envs.base import EnvStep, get_env_family, stable_fraction
-from rlvr.envs.demos import demo_config, play_demos, write_rows
+from rlvr.authoring.demos import demo_config, play_demos, write_rows
 from rlvr.errors import ConfigError
 from rlvr.models import tiny_tokenizer
 from rlvr.offline.data import load_rows, sft_examples

@@ -77,7 +77,7 @@ def test_rewards_of_a_solved_a_guessed_and_a_broken_episode() -> None:
 
 def test_the_scripted_policy_solves_every_instance_through_the_engine() -> None:
     """The family's scripted_action played by the real engine (what `rlvr env check` shows)."""
-    from rlvr.envs.check import _PolicyGenerator, _Recorder
+    from rlvr.authoring.check import _PolicyGenerator, _Recorder
 
     fam = family()
     tokenizer = tiny_tokenizer()

@@ -407,7 +407,7 @@ def env_check_command(
             raise ConfigError(f"--set '{item}': expected option=value")
         options[key.strip()] = yaml.safe_load(value)
     _quiet_libraries()
-    from rlvr.envs.check import check_env
+    from rlvr.authoring.check import check_env
     from rlvr.envs.tool_formats import TOOL_FORMATS
     from rlvr.models import eos_token_ids, load_policy, load_tokenizer, resolve_model_path
 
@@ -481,7 +481,7 @@ def env_demos_command(
 ) -> None:
     """Play episodes of an env's TRAIN split (never a held-out instance) through the rollout engine
     and write them as SFT chat rows {"messages": [...]}, exactly the conversation RL shows: a format
-    warm-up before RL (rlvr.envs.demos)."""
+    warm-up before RL (rlvr.authoring.demos)."""
     from rlvr.errors import ConfigError
 
     if policy not in ("random", "scripted"):
@@ -489,7 +489,7 @@ def env_demos_command(
     if episodes < 1:
         raise ConfigError(f"--episodes {episodes}: expected at least 1")
     _quiet_libraries()
-    from rlvr.envs.demos import demo_config, play_demos, write_rows
+    from rlvr.authoring.demos import demo_config, play_demos, write_rows
 
     cfg, config_dir = demo_config(target, list(set_ or []))
     demos = play_demos(

@@ -20,7 +20,7 @@ teacher (`teacher_data:`) and fine-tunes the student on the samples (SFT); on-po
 `kind: rl` with `algorithm: distill`.
 
 An `sft` stage may train on demonstrations played in an env instead of a data file (a format
-warm-up before RL, rlvr.envs.demos): `env_demos: {episodes: 160, policy: random}` plays the first
+warm-up before RL, rlvr.authoring.demos): `env_demos: {episodes: 160, policy: random}` plays the first
 RL stage's env on its train split (or `config: FILE.yaml`'s) and writes OUTPUT_DIR/<name>/demos.jsonl,
 the stage's data. `policy: random` teaches the answer format only; `scripted` clones a solver.
 
@@ -69,7 +69,7 @@ class StageSpec(_Section):
     )
     env_demos: dict[str, Any] = Field(
         default_factory=dict,
-        description="kind sft: train on env demonstrations (rlvr.envs.demos.EnvDemosConfig: "
+        description="kind sft: train on env demonstrations (rlvr.authoring.demos.EnvDemosConfig: "
         "episodes, policy random|scripted, seed, max_turns, config) instead of data.path.",
     )
 
@@ -256,7 +256,7 @@ def _run_stage(
     result: StageResult
     demo_metrics: dict[str, float] = {}
     if stage.kind == "sft" and stage.env_demos:
-        from rlvr.envs.demos import EnvDemosConfig, demos_for_stage
+        from rlvr.authoring.demos import EnvDemosConfig, demos_for_stage
         from rlvr.models import load_tokenizer, resolve_model_path
 
         demos_file = stage_dir / "demos.jsonl"
@@ -323,7 +323,7 @@ def check_stages(cfg: PipelineConfig, base: Path) -> None:
                 }
                 DistillDataConfig.model_validate(teacher)
             if stage.env_demos:
-                from rlvr.envs.demos import EnvDemosConfig
+                from rlvr.authoring.demos import EnvDemosConfig
 
                 demos = EnvDemosConfig.model_validate(stage.env_demos)
                 if demos.config is None and not any(s.kind == "rl" for s in cfg.stages):

@@ -56,7 +56,7 @@ from pydantic import Field
 
 from rlvr.config import RunConfig, _Section, load_config
 from rlvr.envs.base import Env, EnvFamily, EnvReset
-from rlvr.envs.check import Policy, _PolicyGenerator, _Recorder
+from rlvr.authoring.check import Policy, _PolicyGenerator, _Recorder
 from rlvr.envs.tool_formats import ToolFormat, from_hermes, resolve_tool_format
 from rlvr.errors import ConfigError
 from rlvr.records import Task, Trajectory
