@@ -30,7 +30,7 @@ demo: $(STAMP)
 # tests are printed, so the suite's time (guide: ~15 min on 2 cores) can be kept in view.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25
-	@other=$$($(BIN)/python -c "from rlvr.build import native_bf16; print('off' if native_bf16() else 'on')"); \
+	@other=$$($(BIN)/python -c "from rlvr.precision import native_bf16; print('off' if native_bf16() else 'on')"); \
 		echo "precision-sensitive tests again with RLVR_AUTO_BF16=$$other"; \
 		RLVR_AUTO_BF16=$$other $(BIN)/python -m pytest -q -m precision
 

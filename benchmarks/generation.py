@@ -54,8 +54,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from rlvr.build import cpu_has_bf16
     from rlvr.config import ArithmeticConfig
+    from rlvr.devices import cpu_has_bf16
     from rlvr.models import eos_token_ids, load_policy
     from rlvr.rollout.chat import render_prompt_ids
     from rlvr.rollout.fast_decode import DecodeWeights

@@ -49,9 +49,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
-    from rlvr.build import native_bf16
     from rlvr.envs.base import Env, EnvReset, EnvStep
     from rlvr.models import load_policy
+    from rlvr.precision import native_bf16
     from rlvr.records import Task
     from rlvr.rollout.engine import RolloutLimits, run_episodes
     from rlvr.rollout.generator import SamplingParams

@@ -63,24 +63,24 @@ def _auto_precision_needs_the_mark(
 
     Such a test takes the bf16 path on CPUs with native bf16 and the fp32 path elsewhere, so a
     tolerance written on one kind can fail on the other. `make test` runs every test marked
-    `precision` a second time with `auto` resolved the other way (RLVR_AUTO_BF16, rlvr.build), and
+    `precision` a second time with `auto` resolved the other way (RLVR_AUTO_BF16, rlvr.precision), and
     this check keeps the mark honest: it fails any unmarked test that asked the CPU. Tests that pin
     `model.bf16` (or `autocast_bf16=`) never ask and need no mark. Tests that resolve `auto` only in a
     subprocess (torchrun, a launched server) are not seen here: mark them by hand. The sampler's
-    `generator.decode_dtype: auto` (rlvr.build.bf16_sampler_on) follows RLVR_AUTO_BF16 too, which
+    `generator.decode_dtype: auto` (rlvr.precision.bf16_sampler_on) follows RLVR_AUTO_BF16 too, which
     this file always sets, so it never asks the CPU in a test: unmarked tests sample on HF's path,
     and the `precision` tests run again from the bf16 copy.
     """
-    import rlvr.build as build
+    import rlvr.precision as precision
 
     asked: list[bool] = []
-    detect = build.native_bf16
+    detect = precision.native_bf16
 
     def recorded() -> bool:
         asked.append(True)
         return detect()
 
-    monkeypatch.setattr(build, "native_bf16", recorded)
+    monkeypatch.setattr(precision, "native_bf16", recorded)
     yield
     if asked and request.node.get_closest_marker("precision") is None:
         pytest.fail(

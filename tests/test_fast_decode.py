@@ -367,9 +367,10 @@ def test_decode_auto_samples_from_a_bf16_copy_exactly_on_native_bf16_cpus(
     """generator.decode and decode_dtype left at auto: rlvr's decode path from a bf16 copy where the
     CPU has native bf16 (it learned more in 10 minutes there, docs/performance.md), else HF's."""
     import rlvr.build
+    import rlvr.devices
     from rlvr.config import RunConfig
 
-    monkeypatch.setattr(rlvr.build, "cpu_has_bf16", lambda: native)
+    monkeypatch.setattr(rlvr.devices, "cpu_has_bf16", lambda: native)
     if env is None:
         monkeypatch.delenv("RLVR_AUTO_BF16", raising=False)
     else:

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from rlvr.algorithms import truncated_importance_weights
-from rlvr.build import native_bf16, use_bf16
+from rlvr.build import use_bf16
 from rlvr.config import ModelConfig
 from rlvr.errors import ConfigError
 from rlvr.models import eos_token_ids, load_policy
-from rlvr.precision import BF16_LOGPROB_GAP, FP32_LOGPROB_GAP
+from rlvr.precision import BF16_LOGPROB_GAP, FP32_LOGPROB_GAP, native_bf16
 from rlvr.records import Trajectory
 from rlvr.rollout.generator import SamplingParams
 from rlvr.rollout.hf import HFGenerator

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import rlvr.build as build
+import rlvr.devices as devices
+import rlvr.precision as precision
 from rlvr.config import ModelConfig, load_config
 from rlvr.models import load_policy
 from rlvr.observe.tracking import read_metrics
@@ -19,9 +21,9 @@ from rlvr.train.loop import train
 @pytest.fixture()
 def unforced(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No RLVR_AUTO_BF16 (conftest pins it off), a private cache folder, no answers recorded yet."""
-    monkeypatch.delenv(build.AUTO_BF16_ENV, raising=False)
+    monkeypatch.delenv(precision.AUTO_BF16_ENV, raising=False)
     monkeypatch.setenv("RLVR_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(build, "_MEASURED_AUTO_BF16", {})
+    monkeypatch.setattr(precision, "_MEASURED_AUTO_BF16", {})
     return tmp_path / "cache" / "update_precision.json"
 
 
@@ -32,7 +34,7 @@ def never_measured(model: object) -> tuple[float, float]:
 def test_a_cpu_without_native_bf16_stays_fp32_without_measuring(
     unforced: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(build, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: False)
     model = load_policy(str(tiny_model_dir)).model
     choice = precision_choice.choose(model, measure_fn=never_measured)
     assert not choice.bf16 and choice.bits == 32.0
@@ -52,7 +54,7 @@ def test_native_bf16_is_chosen_only_when_measured_faster_by_the_margin(
     bf16_s: float,
     picks_bf16: bool,
 ) -> None:
-    monkeypatch.setattr(build, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: True)
     model = load_policy(str(tiny_model_dir)).model
     calls: list[int] = []
 
@@ -77,7 +79,7 @@ def test_the_cache_is_per_model_shape(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(build, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: True)
     small = load_policy(str(tiny_model_dir)).model
     config = small.config
     config.num_hidden_layers = config.num_hidden_layers + 1
@@ -93,18 +95,18 @@ def test_the_environment_variable_wins_and_nothing_is_measured(
     unforced: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = load_policy(str(tiny_model_dir)).model
-    monkeypatch.setattr(build, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: True)
     for value, bf16 in (("on", True), ("off", False)):
-        monkeypatch.setenv(build.AUTO_BF16_ENV, value)
+        monkeypatch.setenv(precision.AUTO_BF16_ENV, value)
         choice = precision_choice.resolve(model, "m", measure_fn=never_measured)
-        assert choice.bf16 is bf16 and build.AUTO_BF16_ENV in choice.reason
+        assert choice.bf16 is bf16 and precision.AUTO_BF16_ENV in choice.reason
         assert build.use_bf16(ModelConfig(name="m", bf16="auto")) is bf16
 
 
 def test_torchrun_and_gpus_are_not_measured(
     unforced: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(build, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: True)
     model = load_policy(str(tiny_model_dir)).model
     choice = precision_choice.choose(model, distributed=True, measure_fn=never_measured)
     assert not choice.bf16 and "torchrun" in choice.reason
@@ -113,13 +115,13 @@ def test_torchrun_and_gpus_are_not_measured(
 def test_a_measured_answer_is_what_use_bf16_gives_for_that_model_only(
     unforced: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(build, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: True)
     model = load_policy(str(tiny_model_dir)).model
     precision_choice.resolve(model, "measured-model", measure_fn=lambda m: (1.0, 0.5))
     assert build.use_bf16(ModelConfig(name="measured-model", bf16="auto"))
     assert not build.use_bf16(ModelConfig(name="measured-model", bf16="off"))
     # Another model, never measured in this process: auto without measuring is fp32.
-    monkeypatch.setattr(build, "native_bf16", lambda: False)
+    monkeypatch.setattr(precision, "native_bf16", lambda: False)
     assert not build.use_bf16(ModelConfig(name="other", bf16="auto"))
 
 
@@ -148,7 +150,7 @@ def test_an_rl_run_measures_logs_its_precision_and_samples_in_fp32(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A bf16 update (measured faster) with an fp32 sampler: the demo learned only that way."""
-    monkeypatch.setattr(build, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: True)
     monkeypatch.setattr(precision_choice, "measure", lambda m: (1.0, 0.5))
     made: list[bool] = []
     original = build.HFGenerator.__init__

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr.build import native_bf16, use_bf16
+from rlvr.build import use_bf16
 from rlvr.config import RunConfig, load_config
 from rlvr.models import load_policy
-from rlvr.precision import logprob_gap_tolerance
+from rlvr.precision import logprob_gap_tolerance, native_bf16
 from rlvr.serve.app import create_app
 from rlvr.serve.runner import BackgroundServer, serve_state
 from rlvr.train.loop import train

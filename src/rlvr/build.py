@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import math
-import os
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlvr.config import ModelConfig, RewardSpec, RunConfig, bf16_sampling_copy, decode_path
-from rlvr.devices import resolve_device, supports_bf16
-from rlvr.errors import ConfigError
+from rlvr.devices import device_or_cpu as device_or_cpu  # re-exported: the trainer imports it here
 from rlvr.models import LoraSettings, Policy, eos_token_ids, load_policy
 from rlvr.optim import adamw
+from rlvr.precision import bf16_setting_on
 from rlvr.rollout.engine import RolloutLimits
 from rlvr.rollout.hf import HFGenerator
 from rlvr.verifiers import RewardFunction, Rubric, resolve_reward_fn
@@ -35,93 +33,6 @@ def build_rubric(specs: list[RewardSpec], base_dir: Path | None = None) -> Rubri
             )
         )
     return Rubric(functions)
-
-
-# `model.bf16: auto` asks the CPU; this environment variable answers instead ("on" or "off"), so a
-# test run on one CPU kind can take the path `auto` takes on the other (make test runs the
-# precision-sensitive tests both ways: an AVX2 host cannot land a change that breaks bf16 hosts).
-AUTO_BF16_ENV = "RLVR_AUTO_BF16"
-
-
-def native_bf16() -> bool:
-    """What `model.bf16: auto` resolves to where nothing was measured: `RLVR_AUTO_BF16=on|off` when
-    set, else fp32 (`model.bf16: on` still forces bf16).
-
-    The RL loop measures instead (rlvr.train.precision_choice: bf16 for the update only where it is
-    faster on this host) and records the answer per model name (`record_auto_bf16`). Unmeasured,
-    `auto` stays fp32: on an AVX2-only EPYC bf16 matmuls ran at 15 GFLOP/s against 120 in fp32, and on
-    an Intel Xeon with avx512_bf16 autocast made the step slower (issue 18). `cpu_has_bf16()`
-    reports the hardware.
-    """
-    return bool(forced_auto_bf16())
-
-
-def forced_auto_bf16() -> bool | None:
-    """RLVR_AUTO_BF16=on|off as a bool, None when unset."""
-    forced = os.environ.get(AUTO_BF16_ENV, "").strip().lower()
-    if forced in ("on", "off"):
-        return forced == "on"
-    if forced:
-        raise ConfigError(f"{AUTO_BF16_ENV}={forced!r}: expected 'on' or 'off' (or unset)")
-    return None
-
-
-@cache
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has native bf16 matmuls (avx512_bf16 / AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def device_or_cpu(setting: str) -> torch.device:
-    """`model.device` resolved, or the CPU where it cannot be (a config read on a machine without
-    the GPU it names: loading the model says so, in one line)."""
-    try:
-        return resolve_device(setting)
-    except ConfigError:
-        return torch.device("cpu")
-
-
-def bf16_sampler_on(setting: str, device: str = "auto") -> bool:
-    """Whether `generator.decode_dtype: auto` samples from a bf16 weight copy under a `model.bf16`
-    setting: `on` yes, `off` no, `auto` where the device has native bf16 (a CUDA device of compute
-    capability 8.0+, a CPU with avx512_bf16 / AMX: `cpu_has_bf16`), or as RLVR_AUTO_BF16=on|off says
-    when set (so a test run on one CPU kind can take the other's path). A fixed rule, not the
-    update's timing (rlvr.train.precision_choice): sampling reads weights, and a bf16 copy halves
-    the bytes wherever bf16 matmuls are native (docs/performance.md)."""
-    if setting != "auto":
-        return setting == "on"
-    forced = forced_auto_bf16()
-    if forced is not None:
-        return forced
-    target = device_or_cpu(device)
-    return supports_bf16(target) if target.type == "cuda" else cpu_has_bf16()
-
-
-# `model.bf16: auto` as measured by the RL loop for a model name (rlvr.train.precision_choice).
-_MEASURED_AUTO_BF16: dict[str, bool] = {}
-
-
-def record_auto_bf16(model_name: str, bf16: bool) -> None:
-    """Make `auto` mean `bf16` for `model_name` in this process (RLVR_AUTO_BF16 still wins)."""
-    _MEASURED_AUTO_BF16[model_name] = bf16
-
-
-def bf16_setting_on(setting: str, model_name: str | None = None, device: str = "auto") -> bool:
-    """Whether a `bf16: auto | on | off` setting means bf16 autocast. `auto` is what was measured
-    for `model_name` in this process when it was, else RLVR_AUTO_BF16 when set, else bf16 on a CUDA
-    device with native bf16 (`model.device`), else fp32 (an unmeasured CPU: `native_bf16`)."""
-    if setting != "auto":
-        return setting == "on"
-    if model_name in _MEASURED_AUTO_BF16 and not os.environ.get(AUTO_BF16_ENV, "").strip():
-        return _MEASURED_AUTO_BF16[model_name]
-    if forced_auto_bf16() is not None:
-        return native_bf16()
-    target = device_or_cpu(device)
-    return supports_bf16(target) if target.type == "cuda" else False
 
 
 def use_bf16(cfg: ModelConfig) -> bool:

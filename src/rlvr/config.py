@@ -41,12 +41,12 @@ def bf16_sampling_copy(
 ) -> bool:
     """Whether the sampler decodes from a bf16 copy of the weights while the trainer scores with its
     own: an in-process generator (`generator.backend: hf`) on rlvr's decode path (`decode: fast`,
-    or `auto`) with `decode_dtype: bfloat16`, or `auto` where `rlvr.build.bf16_sampler_on` says so
-    (a CPU with native bf16, `model.bf16` not off). Plain values, so that both the resolved config
+    or `auto`) with `decode_dtype: bfloat16`, or `auto` where `rlvr.precision.bf16_sampler_on` says
+    so (a CPU with native bf16, `model.bf16` not off). Plain values, so that both the resolved config
     (the mismatch monitor) and the raw dict (the truncated-IS default below) ask the same question."""
     if backend == "server" or decode == "hf" or decode_dtype == "float32":
         return False
-    from rlvr.build import bf16_sampler_on  # lazily: rlvr.build imports this module
+    from rlvr.precision import bf16_sampler_on  # lazily: it imports torch
 
     return decode_dtype == "bfloat16" or bf16_sampler_on(str(bf16), str(device))
 

@@ -9,6 +9,8 @@ allocator, `SkinnyLinear`, the fp64 sampler, the bf16 calibration) ask `is_cpu` 
 from __future__ import annotations
 
 import os
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,3 +80,22 @@ def enable_tf32(device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+
+
+@cache
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has native bf16 matmuls (avx512_bf16 / AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def device_or_cpu(setting: str) -> torch.device:
+    """`model.device` resolved, or the CPU where it cannot be (a config read on a machine without
+    the GPU it names: loading the model says so, in one line)."""
+    try:
+        return resolve_device(setting)
+    except ConfigError:
+        return torch.device("cpu")

@@ -310,7 +310,7 @@ def available_bytes(
 def _bf16(cfg: RunConfig, kind: str) -> bool:
     if cfg.model.bf16 != "auto" or kind == "cuda":
         return cfg.model.bf16 != "off"  # auto on a GPU: bf16 (compute capability 8.0+ assumed)
-    from rlvr.build import bf16_setting_on
+    from rlvr.precision import bf16_setting_on
 
     return bf16_setting_on("auto", cfg.model.name, "cpu")
 

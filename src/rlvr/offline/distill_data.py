@@ -16,12 +16,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rlvr.build import bf16_setting_on, build_rubric
+from rlvr.build import build_rubric
 from rlvr.errors import ConfigError
 from rlvr.models import eos_token_ids, load_policy
 from rlvr.offline.common import seed_everything
 from rlvr.offline.config import DistillDataConfig
 from rlvr.offline.data import Message, as_messages, load_rows, render_ids, source_name
+from rlvr.precision import bf16_setting_on
 from rlvr.records import Task, Trajectory
 from rlvr.rollout.generator import Completion, SamplingParams
 from rlvr.rollout.hf import HFGenerator

@@ -19,7 +19,7 @@ fp32). Sampling never autocasts whatever it says: the demo (examples/quickstart.
 steps) learned under a bf16 update with an fp32 sampler (train reward 0.0 -> 0.69, as in fp32) and
 did not learn when the sampler ran under autocast too (0.0 -> 0.03-0.28, entropy rising). A bf16
 sampler is a bf16 copy of the weights on rlvr's decode path (`generator.decode`/`decode_dtype`
-auto: on every CPU with native bf16, a fixed rule, rlvr.build.bf16_sampler_on). Offline stages
+auto: on every CPU with native bf16, a fixed rule, rlvr.precision.bf16_sampler_on). Offline stages
 (sft, dpo, reward_model) resolve `auto` without measuring (fp32 unless RLVR_AUTO_BF16=on).
 """
 
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from rlvr import build
+from rlvr import devices, precision
 from rlvr.devices import device_of, supports_bf16
 
 # bf16 must run the calibration step at most this fraction of fp32's time to be chosen: a margin
@@ -94,7 +94,7 @@ def cache_key(model: Any) -> str:
     facts = {
         "version": CALIBRATION_VERSION,
         "cpu": _cpu_model(),
-        "native_bf16": build.cpu_has_bf16(),
+        "native_bf16": devices.cpu_has_bf16(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "params": sum(p.numel() for p in model.parameters()),
@@ -156,9 +156,9 @@ def choose(
     measure_fn: Callable[[Any], tuple[float, float]] | None = None,
 ) -> PrecisionChoice:
     """Resolve `model.bf16: auto` for the update of `model` on this host (see the module docstring)."""
-    forced = os.environ.get(build.AUTO_BF16_ENV, "").strip()
+    forced = os.environ.get(precision.AUTO_BF16_ENV, "").strip()
     if forced:
-        return PrecisionChoice(build.native_bf16(), f"{build.AUTO_BF16_ENV}={forced}")
+        return PrecisionChoice(precision.native_bf16(), f"{precision.AUTO_BF16_ENV}={forced}")
     device = device_of(model)
     if device.type == "cuda":
         # No timing on a GPU: bf16 tensor-core matmuls are several times fp32's (even TF32's) on
@@ -169,7 +169,7 @@ def choose(
         return PrecisionChoice(False, f"{device} has no native bf16 (compute capability < 8.0)")
     if device.type != "cpu":
         return PrecisionChoice(False, f"auto measures CPUs and CUDA devices only ({device.type})")
-    if not build.cpu_has_bf16():
+    if not devices.cpu_has_bf16():
         return PrecisionChoice(False, "this CPU has no native bf16 (avx512_bf16 / amx_bf16)")
     if distributed:
         # Every rank would time its own share of the machine and might decide differently.
@@ -210,5 +210,5 @@ def _store(path: Path, entries: dict[str, Any]) -> None:
 def resolve(model: Any, model_name: str, **kwargs: Any) -> PrecisionChoice:
     """`choose`, then record the answer so `rlvr.build.use_bf16` gives it for `model_name`."""
     choice = choose(model, **kwargs)
-    build.record_auto_bf16(model_name, choice.bf16)
+    precision.record_auto_bf16(model_name, choice.bf16)
     return choice
