@@ -4,28 +4,29 @@ Two measures of the same thing, the mean |sampler log-prob - trainer log-prob| p
 tokens:
 - `update/behaviour_logprob_abs_diff` (train/update.py): on the step's sampled tokens, as the update
   first scores them (before its optimizer step);
-- `sync/canary_logprob_abs_diff` (rlvr.train.rollouts, after each weight sync to a server): a fixed
-  short prompt (`CANARY_TEXT`) is sampled by the server at temperature 1 with a fixed seed, and the
+- `sync/canary_logprob_abs_diff` (rlvr.train.rollouts, after each weight sync to a server; scored
+  by rlvr.train.canary, which needs the trainer's forward): a fixed short prompt (`CANARY_TEXT`) is
+  sampled by the server at temperature 1 with a fixed seed, and the
   trainer scores the returned tokens. Temperature 1 makes vLLM's processed and raw log-probs the same
   numbers, and the fixed seed sits outside the run's request counter, so the run's own samples are
   unchanged.
 
 A weight sync that silently did nothing, a server serving another model or revision, or a broken
 kernel shows as a gap far above numerical noise. The threshold depends on precision (docs/monitors.md
-has the measurements): fp32 on both sides agrees to ~4e-6 per token, bf16 on either side to ~0.03.
+has the measurements): fp32 on both sides agrees to ~4e-6 per token, bf16 on either side to ~0.03;
+`mismatch_setup` below chooses it.
+
+This module reads metrics and the config only (an observer, tests/test_layers.py); the canary's
+scoring lives with the trainer in rlvr.train.canary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
 
 from rlvr.config import RunConfig, bf16_sampling_copy
-from rlvr.devices import device_of
 from rlvr.observe.monitors import Finding, History, Rule
+from rlvr.precision import bf16_setting_on
 
 CANARY_METRIC = "sync/canary_logprob_abs_diff"
 BEHAVIOUR_METRIC = "update/behaviour_logprob_abs_diff"
@@ -57,13 +58,12 @@ def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
     metric is not read with async rollouts (the sampler is one update behind by design) nor with
     top_p < 1 on a server other than rlvr serve (vLLM renormalises its log-probs over the nucleus,
     the trainer does not): the canary still is."""
-    from rlvr.build import use_bf16
-
     c = cfg.monitors.sampler_mismatch
     if not c.enabled:
         return None
     g = cfg.generator
-    trainer_bf16 = use_bf16(cfg.model)
+    # What rlvr.build.use_bf16 answers for the trainer (this module sits below rlvr.build).
+    trainer_bf16 = bf16_setting_on(cfg.model.bf16, cfg.model.name, cfg.model.device)
     known_fp32_server = g.backend == "server" and g.launch == "rlvr"
     # In process the sampler never autocasts (rlvr.build); a bf16 copy is asked below.
     sampler_bf16 = g.backend == "server" and not known_fp32_server
@@ -115,50 +115,3 @@ def mismatch_rule(cfg: RunConfig) -> Rule | None:
         return None
     action = cfg.monitors.sampler_mismatch.action
     return Rule("sampler_mismatch", action, lambda h: sampler_mismatch(h, s), s.keys)
-
-
-# ---------------------------------------------------------------------------------------------- canary
-def canary_prompt(tokenizer: Any) -> list[int]:
-    """The canary's prompt ids (special tokens as the tokenizer adds them, e.g. a BOS)."""
-    return [int(t) for t in tokenizer(CANARY_TEXT)["input_ids"]][:32]
-
-
-@torch.no_grad()
-def canary_gap(generator: Any, policy: Any, *, bf16: bool) -> float:
-    """Mean |server - trainer| log-prob over the canary's sampled tokens. `generator` is a
-    ServerGenerator (its `canary` samples the prompt at temperature 1 with a fixed seed); the trainer
-    scores the same tokens with the update's forward (bf16 autocast as the update uses it)."""
-    from rlvr.records import Trajectory
-    from rlvr.train.batch import collate, token_logprobs
-
-    prompt = canary_prompt(policy.tokenizer)
-    completions = generator.canary(prompt, n=CANARY_SAMPLES, max_tokens=CANARY_TOKENS)
-    rows = [
-        Trajectory(
-            task_id="canary",
-            token_ids=(*prompt, *c.token_ids),
-            policy_mask=(0,) * len(prompt) + (1,) * len(c.token_ids),
-            logprobs=(0.0,) * len(prompt) + tuple(c.logprobs),
-            prompt_length=len(prompt),
-            completion_text="",
-            finish_reason=c.finish_reason,
-        )
-        for c in completions
-        if c.token_ids
-    ]
-    if not rows:
-        return float("nan")
-    model = policy.model
-    batch = collate(rows, _zeros(rows), int(policy.tokenizer.pad_token_id), device_of(model))
-    training = model.training
-    model.eval()
-    try:
-        trainer, _ = token_logprobs(model, batch, 1.0, bf16=bf16)
-    finally:
-        model.train(training)
-    mask = batch.mask_B_C
-    return float(((trainer - batch.behaviour_logprobs_B_C).abs() * mask).sum() / mask.sum())
-
-
-def _zeros(rows: Sequence[Any]) -> list[list[float]]:
-    return [[0.0] * (len(t.token_ids) - t.prompt_length) for t in rows]

@@ -175,8 +175,8 @@ class RolloutPlan:
         return out
 
     def _canary(self) -> None:
-        """After a sync to a server: score the fixed canary on both sides (rlvr.observe.mismatch)."""
-        from rlvr.observe.mismatch import canary_gap
+        """After a sync to a server: score the fixed canary on both sides (rlvr.train.canary)."""
+        from rlvr.train.canary import canary_gap
         from rlvr.rollout.server import resolve_weight_sync
 
         c = self.cfg.monitors.sampler_mismatch
