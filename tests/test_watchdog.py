@@ -60,6 +60,33 @@ def test_a_call_past_its_deadline_dumps_every_stack_and_exits(
     assert event["event"] == "watchdog/hang" and event["phase"] == "reward" and event["step"] == 7
 
 
+def test_the_message_names_the_checkpoint_the_trainer_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The watchdog does not import the trainer: the loop passes its checkpoint lookup, and a lookup
+    that fails while the run is hung still lets the stacks and the exit through."""
+    saved = tmp_path / "checkpoints" / "step-4"
+    for lookup, said in (
+        (lambda: saved, f"the last checkpoint is {saved}"),
+        (_raises, "no checkpoint yet"),
+    ):
+        exits: list[int] = []
+        dog = Watchdog({"update": 0.2}, tmp_path, last_checkpoint=lookup, exit=exits.append).start()
+        try:
+            with watch("update"):
+                deadline = time.monotonic() + 10
+                while not exits and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        finally:
+            dog.close()
+        assert exits == [EXIT_CODE]
+        assert said in capsys.readouterr().err
+
+
+def _raises() -> Path:
+    raise RuntimeError("no checkpoints/ folder")
+
+
 def test_calls_within_their_deadline_and_unwatched_phases_never_fire(tmp_path: Path) -> None:
     exits: list[int] = []
     dog = Watchdog({"reward": 0.4, "env_step": 0}, tmp_path, exit=exits.append).start()

@@ -90,7 +90,9 @@ class Watchdog:
     """Deadlines per phase (seconds, 0 = off) over `run_dir`. `start()` installs it as the process's
     watchdog and starts its thread; `close()` undoes both. `step` is the step in progress (set by the
     loop, for the message); `on_hang` callbacks run before the exit (e.g. stop a launched server).
-    `exit` is os._exit in a run; tests pass a recorder."""
+    `last_checkpoint` returns the checkpoint a resume would start from, for the message (the trainer
+    passes its own lookup: observers do not import the trainer). `exit` is os._exit in a run; tests
+    pass a recorder."""
 
     def __init__(
         self,
@@ -100,6 +102,7 @@ class Watchdog:
         backstop_grace_s: float = 10.0,
         rank: int = 0,
         write_event: bool = True,
+        last_checkpoint: Callable[[], Path | None] = lambda: None,
         exit: Callable[[int], Any] = os._exit,
     ) -> None:
         unknown = set(deadlines) - set(PHASES)
@@ -111,6 +114,7 @@ class Watchdog:
         self.grace = backstop_grace_s
         self._slack = min(_BACKSTOP_SLACK_S, backstop_grace_s / 2)
         self.write_event = write_event
+        self.last_checkpoint = last_checkpoint
         self.exit = exit
         self.step = 0
         self.on_hang: list[Callable[[], Any]] = []
@@ -238,7 +242,7 @@ class Watchdog:
             )
         )
         self._write_stacks(message, arm, frames)
-        checkpoint = _last_checkpoint(self.run_dir)
+        checkpoint = self._checkpoint()
         resume = (
             f"the last checkpoint is {checkpoint} (rlvr train --resume {self.run_dir})"
             if checkpoint
@@ -285,6 +289,14 @@ class Watchdog:
         except OSError as err:
             print(f"watchdog: could not write {self.path}: {err}", file=sys.stderr, flush=True)
 
+    def _checkpoint(self) -> Path | None:
+        # Called from the watchdog thread while the run is hung: a failing lookup must not stop the
+        # stacks, the event and the exit that follow.
+        try:
+            return self.last_checkpoint()
+        except Exception:
+            return None
+
     def _event(self, arm: _Arm, elapsed: float, message: str) -> None:
         # The loop's tracker opens metrics.jsonl per write, so appending a line here is safe.
         row = {
@@ -320,13 +332,3 @@ def _where(frame: FrameType | None) -> str:
     if f is not None and f is not frame:
         out += f" called from {name(f)}"
     return out
-
-
-def _last_checkpoint(run_dir: Path) -> Path | None:
-    try:
-        from rlvr.train.checkpoint import checkpoint_dirs
-
-        found = checkpoint_dirs(run_dir)
-    except Exception:
-        return None
-    return found[-1] if found else None

@@ -194,6 +194,8 @@ def train(
             run_dir,
             rank=dist.rank if dist else 0,
             write_event=not dist or dist.is_main,
+            # Raises while there is none; the watchdog then says there is no checkpoint yet.
+            last_checkpoint=lambda: latest_checkpoint(run_dir),
         )
         watchdog.on_hang.append(plan.abandon)  # a launched server would outlive os._exit
         closers.append(watchdog.close)
