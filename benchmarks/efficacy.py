@@ -1,7 +1,8 @@
 """The efficacy table: does training teach SmolLM2-135M each built-in task? Held-out before and after.
 
-(A little over 500 lines: the row table is data, one entry per measured task; the base-model cache
-lives in _efficacy_cache.py; measuring, rendering and the CLI stay together so one file is the instrument.)
+(Over 500 lines: the row table is data, one entry per measured task; the base-model cache lives in
+_efficacy_cache.py, the chance / solver plays in _efficacy_chance.py and the table's rendering in
+_efficacy_table.py; measuring and the CLI stay together so one file is the instrument.)
 
 For each row (an env or task at one difficulty, trained from its example config) this script
 1. scores the base model on the first `--n` held-out instances (all of them where fewer exist):
@@ -22,14 +23,19 @@ the format is reported apart (`rl_gain`); its training minutes include the warm-
 The base model's per-instance results are cached (benchmarks/_efficacy_cache.py says under what key):
 a row re-measured with other hyper-parameters then says `base: cached (<key prefix>)`.
 
-Held-out instances come from each env family's own split (disjoint from training by construction,
-tested per family in tests/test_env_*.py); nothing here is tuned on them: the configs are the
+Held-out instances come from each env family's own split (disjoint from training by content,
+solution and reachable start state: tests/test_splits.py); nothing here is tuned on them: the configs are the
 examples as committed. Each finished row is appended to `--results` (JSONL, one object per row and
 run), and `--out` (docs/efficacy.md) is regenerated from the newest result of every row, so rows
 can be measured in separate invocations: the table is the instrument's output, never hand-edited.
 
+The chance column and the solver ceiling (_efficacy_chance.py) need no model: `--chance-only` plays
+each env row's random legal policy and scripted solver on its held-out instances (seconds a row) and
+appends them, per instance, to --chance-results; the table reads the newest of each.
+
 Usage: python benchmarks/efficacy.py [--rows arithmetic calculator-1op ...] [--budget-minutes 30]
        [--n 200] [--k 4] [--list] [--warmup-set train.steps=8] [--no-base-cache]
+       [--chance-only [--chance-episodes 8]] [--render-only]
        (`make efficacy` runs every row: hours on 2 cores)
 """
 
@@ -52,6 +58,9 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(ROOT / "benchmarks"))  # its sibling module, however this file was loaded
 import _efficacy_cache as base_cache  # noqa: E402
+import _efficacy_chance as chance_lib  # noqa: E402
+import _efficacy_table as efficacy_table  # noqa: E402
+from _efficacy_table import heldout_changed  # noqa: E402, F401  (tests read it here)
 
 
 @dataclass(frozen=True)
@@ -75,8 +84,9 @@ class Row:
 
 # Env rows score 200 held-out instances (the example configs evaluate on fewer during training).
 HELDOUT_200 = ("task.env.num_heldout=200",)
-# A 5x5 room (3x3 floor, 1 box) has only 580 distinct levels (seeds 0-20k), so the default 10% split
-# cannot hold out 200: half of them are held out instead (200 used), and 230 train rooms remain.
+# A 5x5 room (3x3 floor, 1 box) has only 580 distinct levels (seeds 0-20k) in about 70 rooms, so the
+# default 10% split cannot hold out 200: half of the rooms are held out instead (the split is by
+# room, sokoban's split_key), 200 of their levels used, and 230 levels of the other rooms train.
 SOKOBAN_5X5 = (
     *HELDOUT_200,
     "task.env.heldout_fraction=0.5",
@@ -214,6 +224,7 @@ def per_instance_scores(policy: Any, cfg: Any, config_dir: Path, n: int, k: int)
     trajectories = flatten(greedy)
     out: dict[str, Any] = {
         "n": len(tasks),
+        "ids": [t.id for t in tasks],
         "pass1": passed,
         "tool_call_rate": statistics.fmean(
             float(t.info.get("tool_calls", 0) > 0) for t in trajectories
@@ -338,6 +349,10 @@ def row_result(
         "command": f"python benchmarks/efficacy.py --rows {row.name} "
         f"--budget-minutes {budget_minutes:g} --n {n} --k {k}" + extra_args,
     }
+    if "ids" in after:  # per instance, so any interval (against chance too) can be recomputed
+        result["heldout_sha"] = chance_lib.ids_sha(list(after["ids"]))
+        result["per_instance"] = {"ids": after["ids"], "before": before["pass1"],
+                                  "after": after["pass1"]}  # fmt: skip
     print(f"[{row.name}] {json.dumps(result)}", flush=True)
     return result
 
@@ -432,6 +447,8 @@ def measure_warmup(
     )  # fmt: skip
     low, high = paired_bootstrap_ci(warm["pass1"], after["pass1"])
     acc_warm = statistics.fmean(warm["pass1"])
+    if "per_instance" in result:
+        result["per_instance"]["after_warmup"] = warm["pass1"]
     result.update({
         "after_warmup": acc_warm,
         f"mean@{k}_after_warmup": warm.get(f"mean@{k}"),
@@ -444,83 +461,97 @@ def measure_warmup(
     return result
 
 
-def met(row: Row, before: float, after: float, minutes: float, tool_rate: float) -> bool:
+def met(
+    row: Row,
+    before: float,
+    after: float,
+    minutes: float,
+    tool_rate: float,
+    over_chance: tuple[float, float, float] | None = None,
+) -> bool:
     """Whether the row's target holds on the measured numbers: a held-out level reached (within
-    its time and tool-use conditions), or a held-out gain of at least the asked points."""
+    its time and tool-use conditions), or a held-out gain of at least the asked points.
+
+    `over_chance`: (gain over the random legal policy, its 95% interval) where the env has one.
+    Then a gain is counted over chance, not over the untrained model (which may not even write
+    the answer format), and either kind of target also needs the interval to exclude 0: a level
+    reached by a policy no better than random moves is not a learned task."""
     if row.max_minutes is not None and minutes > row.max_minutes:
         return False
     if row.min_tool_rate is not None and tool_rate < row.min_tool_rate:
         return False
+    if over_chance is not None and over_chance[1] <= 0.0:
+        return False
     if row.target_after is not None:
         return after >= row.target_after
     assert row.target_gain is not None
-    return after - before >= row.target_gain
+    gain = over_chance[0] if over_chance is not None else after - before
+    return gain >= row.target_gain
 
 
-# Rows measured before results named their precision ran while `model.bf16: auto` still resolved to
-# bf16 autocast on avx512_bf16 CPUs (it is fp32 on every CPU since; docs/performance.md).
-PRECISION_BEFORE_IT_WAS_RECORDED = "bf16 autocast (auto, before it became fp32)"
+# Random episodes per held-out instance for the chance column (the solver plays each once).
+CHANCE_EPISODES = 8
 
 
-def render(results: list[dict[str, Any]]) -> str:
-    """docs/efficacy.md from the newest result of every row (rows not yet measured say so)."""
-    newest = {r["row"]: r for r in results}
-    lines = [
-        "# Efficacy: what training teaches SmolLM2-135M-Instruct, held-out before and after",
-        "",
-        "Generated by `python benchmarks/efficacy.py` (never edited by hand): each row trains from its",
-        "example config on the bundled SmolLM2-135M-Instruct within the row's time budget, and scores",
-        "the base and the trained model on the same held-out instances (greedy pass@1; mean@k = k",
-        "samples per instance at the training temperature). The gain's 95% interval is a paired",
-        "bootstrap over instances. Held-out instances never appear in training (each env family's",
-        "split is disjoint by construction), and no setting was tuned on them. Rows are measured one",
-        "at a time on a 2-core CPU; `train min` is training wall time, evals excluded.",
-        "",
-        "Rows ending \"format warm-up, then RL\" run a pipeline (examples/env_*_warmup.yaml): SFT on",
-        "demonstrations of random legal actions played on train instances (rlvr.authoring.demos; they",
-        "teach the answer format, not the task), then the RL. `after warm-up` is the SFT model alone,",
-        "so the gain RL adds is shown apart (\"RL alone\", against the warm-up); their `train min`",
-        "includes the warm-up.",
-        "",
-        "| task | target | n | before | after warm-up | after | gain (95% CI) | mean@k before -> after | tool calls | turns | steps | train min | met | CPU; precision | command |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
-    for row in ROWS:
-        r = newest.get(row.name)
-        if r is None:
-            lines.append(
-                f"| {row.task} | {row.target} | {row.not_run or 'not measured yet'} |{' |' * 12}"
+def row_rl_config(row: Row) -> Any:
+    """The RL config a row scores with (a warm-up row's RL stage), with the row's overrides."""
+    from rlvr.config import load_config
+    from rlvr.pipeline import first_rl_config, load_pipeline_config
+
+    path = EXAMPLES / row.config
+    if not row.pipeline:
+        return load_config(path, list(row.overrides))
+    stages = load_pipeline_config(path).stages
+    rl = next(i for i, s in enumerate(stages) if s.kind == "rl")
+    sets = [f"stages.{rl}.config.{o}" for o in row.overrides]
+    return first_rl_config(load_pipeline_config(path, sets), EXAMPLES)
+
+
+def measure_chance(row: Row, n: int, episodes: int, memo: dict[str, list]) -> list[dict]:
+    """The chance (random legal policy) and solver records of one row; rows that play the same
+    held-out instances under the same limits share one measurement (`memo`)."""
+    import dataclasses
+
+    from rlvr.build import rollout_limits
+
+    cfg = row_rl_config(row)
+    if cfg.task.source != "env":
+        return []
+    key = json.dumps(
+        [cfg.task.model_dump(mode="json"), dataclasses.asdict(rollout_limits(cfg)),
+         cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens, cfg.model.name, n, episodes],
+        sort_keys=True, default=str,
+    )  # fmt: skip
+    if key not in memo:
+        old = chance_lib.id_split_sha(cfg, n)
+        memo[key] = []
+        for policy in ("random", "scripted"):
+            print(f"[{row.name}] {policy} policy on {n} held-out instances...", flush=True)
+            record = chance_lib.policy_scores(cfg, EXAMPLES, n, policy, episodes)
+            record.update({
+                "id_split_sha": old,
+                "date": time.strftime("%Y-%m-%d"),
+                "cpu": cpu_kind(),
+                "command": f"python benchmarks/efficacy.py --chance-only --rows {row.name} "
+                f"--n {n} --chance-episodes {episodes}",
+            })  # fmt: skip
+            memo[key].append(record)
+    records = [{"row": row.name, **r} for r in memo[key]]
+    for r in records:
+        if not r.get("absent"):
+            print(
+                f"[{row.name}] {r['policy']}: {r['success']:.1%} ({r['seconds']:.0f} s)", flush=True
             )
-            continue
-        k = r["k"]
-        warm = r.get("after_warmup")
-        mean_k = (
-            f"{r[f'mean@{k}_before']:.1%} -> "
-            + (f"{r[f'mean@{k}_after_warmup']:.1%} -> " if warm is not None else "")
-            + f"{r[f'mean@{k}_after']:.1%} (k={k})"
-            if r.get(f"mean@{k}_before") is not None
-            else ""
-        )
-        low, high = r["gain_ci95"]
-        gain = f"{100 * r['gain']:+.1f} pts ({100 * low:+.1f}, {100 * high:+.1f})"
-        if warm is not None:
-            rl_low, rl_high = r["rl_gain_ci95"]
-            gain += (
-                f"; RL alone {100 * r['rl_gain']:+.1f} ({100 * rl_low:+.1f}, {100 * rl_high:+.1f})"
-            )
-        lines.append(
-            f"| {r['task']} | {r['target']} | {r['n']} | {r['before']:.1%} | "
-            f"{'' if warm is None else f'{warm:.1%}'} | {r['after']:.1%} | {gain} | {mean_k} | "
-            f"{r['tool_call_rate_after']:.0%} | {r['turns_after']:.1f} | {r['steps']} | "
-            f"{r['train_minutes']:.1f} | {'yes' if r['met'] else 'no'} | {r['cpu']}; "
-            f"{r.get('precision', PRECISION_BEFORE_IT_WAS_RECORDED)} | "
-            f"`{r['command']}` |"
-        )
-    lines += ["", "## Notes per row", ""]
-    notes_path = ROOT / "docs" / "efficacy_notes.md"
-    if notes_path.exists():
-        lines.append(f"What was tried per row, and what each attempt measured: {notes_path.name}.")
-    return "\n".join(lines) + "\n"
+    return records
+
+
+def render(results: list[dict[str, Any]], chance: list[dict[str, Any]] | None = None) -> str:
+    """docs/efficacy.md from the newest result and chance / solver record of every row."""
+    return efficacy_table.render(ROWS, met, CHANCE_EPISODES, results, chance)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def main() -> None:
@@ -548,6 +579,15 @@ def main() -> None:
     parser.add_argument(
         "--render-only", action="store_true", help="rewrite --out from --results, measure nothing"
     )
+    parser.add_argument(
+        "--chance-only",
+        action="store_true",
+        help="measure only the chance (random legal policy) and solver columns of --rows: no model",
+    )
+    parser.add_argument(
+        "--chance-results", type=Path, default=ROOT / "benchmarks" / "efficacy_chance.jsonl"
+    )
+    parser.add_argument("--chance-episodes", type=int, default=CHANCE_EPISODES)
     args = parser.parse_args()
     if args.list:
         for row in ROWS:
@@ -556,7 +596,13 @@ def main() -> None:
     unknown = [name for name in args.rows if name not in BY_NAME]
     if unknown:
         raise SystemExit(f"unknown rows {unknown}; --list shows them")
-    if not args.render_only:
+    if args.chance_only:
+        memo: dict[str, list] = {}
+        for name in args.rows:
+            records = measure_chance(BY_NAME[name], args.n, args.chance_episodes, memo)
+            with args.chance_results.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+    elif not args.render_only:
         where = args.base_cache or args.runs_dir.parent / "efficacy-cache"
         cache = base_cache.Cache(where, refresh=args.no_base_cache)
         for name in args.rows:
@@ -570,13 +616,8 @@ def main() -> None:
             with args.results.open("a") as f:
                 f.write(json.dumps(result) + "\n")
             results = [json.loads(line) for line in args.results.read_text().splitlines()]
-            args.out.write_text(render(results))
-    results = (
-        [json.loads(line) for line in args.results.read_text().splitlines()]
-        if args.results.exists()
-        else []
-    )
-    args.out.write_text(render(results))
+            args.out.write_text(render(results, read_jsonl(args.chance_results)))
+    args.out.write_text(render(read_jsonl(args.results), read_jsonl(args.chance_results)))
     print(f"wrote {args.out}")
 
 

@@ -66,6 +66,57 @@ def test_targets_are_read_from_the_measured_numbers(efficacy: ModuleType) -> Non
     # A gain in points.
     assert efficacy.met(rows["frozenlake"], 0.20, 0.50, 25.0, 0.0)
     assert not efficacy.met(rows["frozenlake"], 0.20, 0.49, 25.0, 0.0)
+    # Against chance where the env has a random legal policy: the gain counted is over chance
+    # (target +30: 0.0 -> 0.45 is +45 over the untrained model and +36 over a chance of 9%: met),
+    assert efficacy.met(rows["frozenlake"], 0.0, 0.45, 25.0, 0.0, (0.36, 0.28, 0.44))
+    # but +35 over the untrained model that is +5 over chance is not met.
+    assert not efficacy.met(rows["frozenlake"], 0.0, 0.35, 25.0, 0.0, (0.05, -0.02, 0.12))
+    # and a level reached needs an interval over chance that excludes 0 (bandit: 96% vs 93%).
+    assert efficacy.met(rows["bandit"], 0.0, 0.96, 10.0, 0.0, (0.03, 0.01, 0.05))
+    assert not efficacy.met(rows["bandit"], 0.0, 0.96, 10.0, 0.0, (0.03, -0.01, 0.07))
+
+
+def test_gain_over_chance_interval_by_hand(efficacy: ModuleType) -> None:
+    chance = efficacy.chance_lib
+    # Chance solves nothing and after everything: every resample's difference is 1, paired or not.
+    assert chance.bootstrap_gain([1.0] * 10, [0.0] * 10, paired=True) == (1.0, 1.0)
+    assert chance.bootstrap_gain([1.0] * 10, [0.0] * 10, paired=False) == (1.0, 1.0)
+    # after 50/100 against a chance of exactly 0.5 on every instance: the unpaired difference is
+    # Binomial(100, 1/2)/100 - 0.5, 95% range about +/- 1.96 * 0.05 = +/- 0.098.
+    low, high = chance.bootstrap_gain([1.0] * 50 + [0.0] * 50, [0.5] * 100, paired=False)
+    assert -0.12 <= low <= -0.08 and 0.08 <= high <= 0.12
+    # A stored row pairs with the chance record when it holds the same ids in the same order.
+    record = {"per_instance": [{"id": "a", "successes": [0.0, 1.0]},
+                               {"id": "b", "successes": [0.0, 0.0]}], "n": 2, "heldout_sha": "x"}  # fmt: skip
+    paired = {"after": 0.5, "n": 2, "per_instance": {"ids": ["a", "b"], "after": [1.0, 0.0]}}
+    gain, low, high = chance.gain_over_chance(paired, record)
+    assert gain == pytest.approx(0.5 - 0.25)
+    # A result from before fingerprints: changed when the id-only split held out other instances.
+    old = {"n": 2, "after": 0.5}
+    assert not efficacy.heldout_changed(old, {**record, "id_split_sha": "x"})
+    assert efficacy.heldout_changed(old, {**record, "id_split_sha": "y"})
+    assert efficacy.heldout_changed({**old, "heldout_sha": "z"}, record)
+    assert efficacy.heldout_changed({"n": 3, "after": 0.5}, record)
+
+
+def test_chance_only_plays_the_env_policies_without_a_model(
+    efficacy: ModuleType, tmp_path: Path
+) -> None:
+    """`--chance-only` on frozenlake (3 instances, 2 random episodes each): the random legal
+    policy and the solver through the engine, per-instance results stored, the columns filled."""
+    chance, out = tmp_path / "chance.jsonl", tmp_path / "efficacy.md"
+    argv = ["efficacy.py", "--chance-only", "--rows", "frozenlake", "--n", "3",
+            "--chance-episodes", "2", "--chance-results", str(chance), "--out", str(out),
+            "--results", str(tmp_path / "none.jsonl")]  # fmt: skip
+    run_efficacy(efficacy, argv)
+    random_policy, solver = [json.loads(line) for line in chance.read_text().splitlines()]
+    assert random_policy["policy"] == "random" and solver["policy"] == "scripted"
+    assert [len(p["successes"]) for p in random_policy["per_instance"]] == [2, 2, 2]
+    assert solver["success"] == 1.0  # a shortest safe path on unslippery ice always arrives
+    assert random_policy["tries"] == 1 and "--chance-only" in random_policy["command"]
+    line = next(li for li in out.read_text().splitlines()
+                if li.startswith("| frozenlake 4x4, not slippery |"))  # fmt: skip
+    assert f"| {random_policy['success']:.1%} | 100.0% |" in line
 
 
 @pytest.mark.slow
@@ -121,7 +172,7 @@ def test_a_warmup_row_reports_the_warmup_apart(efficacy: ModuleType, tmp_path: P
     assert "--warmup-set train.steps=2" in row["command"]
     table = out.read_text()
     line = next(li for li in table.splitlines() if li.startswith("| frozenlake 4x4, not slippery;"))
-    assert "RL alone" in line and line.count("|") == 16  # 15 columns
+    assert "RL alone" in line and line.count("|") == 20  # 19 columns
 
 
 # ---------------------------------------------------------------- the base model's results, cached
@@ -477,4 +528,4 @@ def test_a_row_left_unrun_on_purpose_says_why(efficacy: ModuleType) -> None:
         "met": False, "cpu": "x", "command": "c",
     }  # fmt: skip
     line = sokoban_line(efficacy.render([measured]))
-    assert "not run" not in line and "| 200 | 0.0% |  | 2.0% |" in line
+    assert "not run" not in line and "| 200 |  |  | 0.0% |  | 2.0% |" in line
