@@ -7,7 +7,7 @@ of the last 5 logged steps), best and final held-out accuracy, final entropy (la
 
 This module also reads a run back (`load_run`: every metric as a finite (steps, values) series,
 alert rows and keys as `Alert`s, config.yaml) and holds the plot and page pieces `rlvr report`
-(report.py) shares: `plot`, the summary row.
+(report.py) shares: `plot`, the summary row, `page` and `figure_html`.
 """
 
 from __future__ import annotations
@@ -347,10 +347,54 @@ def summary_markdown(rows: Sequence[RunSummary]) -> str:
     )
 
 
+# ---------------------------------------------------------------- the page (also report.py's)
+
+CSS = """
+body{font:14px/1.45 system-ui,sans-serif;margin:1em 2em;color:#222;background:#fff;max-width:1500px}
+h1{font-size:1.35em}h2{font-size:1.15em;margin:1.6em 0 .5em;border-bottom:2px solid #ccc}
+h3{font-size:1em;margin:1.2em 0 .3em}h4{margin:.3em 0;font-size:.9em;color:#555}
+nav a{margin-right:1em}.kv{color:#666;font-weight:normal;font-size:.9em}
+table{border-collapse:collapse;font-size:.9em;margin:.4em 0}
+td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left;vertical-align:top}th{background:#f4f4f4}
+.plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:1em}
+figure{margin:0;border:1px solid #e4e4e4;border-radius:4px;padding:.3em}
+figure img{width:100%;height:auto;display:block}
+figcaption{font-size:.8em;color:#666;padding:0 .4em}
+.cols{display:grid;grid-template-columns:1fr 1fr;gap:1em}
+.ro{border:1px solid #ddd;border-radius:4px;margin:.4em 0;padding:.4em .6em}.hdr{font-size:.85em}
+pre{font:12px/1.45 ui-monospace,Menlo,Consolas,monospace;white-space:pre-wrap;overflow-wrap:anywhere;
+ margin:.3em 0;background:#fafafa;padding:.3em}
+pre.prompt,pre .obs{color:#777}details>summary{cursor:pointer;color:#555;font-size:.85em}
+.bad,.alert{color:#b00}
+"""
+
+# Counts the images that decoded; a headless browser reads the result from the dumped DOM.
+IMAGE_CHECK = """<script>
+window.addEventListener("load", function () {
+  var imgs = Array.prototype.slice.call(document.images);
+  var ok = imgs.filter(function (i) { return i.complete && i.naturalWidth > 0; }).length;
+  document.body.dataset.imagesLoaded = ok + "/" + imgs.length;
+});
+</script>"""
+
+
+def page(title: str, body: str) -> str:
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>"
+        f"{body}{IMAGE_CHECK}</body></html>\n"
+    )
+
+
+def figure_html(png: str, caption: str, markers: int) -> str:
+    return (
+        f'<figure data-alert-markers="{markers}"><img src="{html.escape(png)}" '
+        f'alt="{html.escape(caption)}"><figcaption>{html.escape(caption)}</figcaption></figure>'
+    )
+
+
 def compare_runs(run_dirs: list[Path], out: Path) -> Path:
     """Write compare.html, compare.md and the PNGs to `out`; returns compare.html's path."""
-    from rlvr.observe.report import figure_html, page  # report.py imports this module
-
     runs = _load(run_dirs)
     rows = [summary_row(run, label) for label, run in runs]
     out = Path(out)
