@@ -54,6 +54,7 @@ from typing import Any
 
 from rlvr.config import RunConfig, apply_overrides, config_to_dict
 from rlvr.errors import ConfigError
+from rlvr.registry import ALGORITHMS
 
 GiB, MiB = 2**30, 2**20
 CPU_RUNTIME_BYTES = 40 * MiB  # calibrated (tests/test_plan.py, docs/performance.md)
@@ -385,7 +386,9 @@ def _estimate(cfg: RunConfig, s: ModelShape, kind: str, gpus: int, lp: int, how:
     if cap := getattr(t, "max_tokens_per_micro_batch", None):
         mb = max(1, min(mb, cap // (lp + c)))
     fused_setting = t.fused_logprobs if t.fused_logprobs != "auto" else lora or kind == "cuda"
-    fused = bool(fused_setting) and not fsdp and cfg.algorithm != "distill"
+    algorithm = ALGORITHMS.resolve(cfg.algorithm)  # a plug-in's critic or teacher counts too
+    needs_critic, needs_teacher = algorithm.needs_critic, algorithm.needs_teacher
+    fused = bool(fused_setting) and not fsdp and not needs_teacher
     trained = s.lora_params(cfg.model.lora.r, cfg.model.lora.target_modules) if lora else s.total
     v, vh = s.vocab, s.vocab * s.hidden
     matmul = s.layers * s.layer_matmul + vh  # every matmul weight, the head's too
@@ -412,15 +415,15 @@ def _estimate(cfg: RunConfig, s: ModelShape, kind: str, gpus: int, lp: int, how:
     if not lora and o.beta > 0:
         ref = 4 * rest + 2 * matmul if bf16 else 4 * s.total  # a tied head: its own bf16 copy
         add("reference", ref / shard, P, "frozen copy" + (", bf16 matmuls" if bf16 else ""))
-    critic = load_shape(cfg.critic.model) if cfg.algorithm == "ppo" and cfg.critic.model else s
-    if cfg.algorithm == "ppo":
+    critic = load_shape(cfg.critic.model) if needs_critic and cfg.critic.model else s
+    if needs_critic:
         backbone = critic.total - critic.head + critic.hidden + 1
         cl = cfg.critic.lora
         lora_ct = critic.lora_params(cl.r, cl.target_modules) + critic.hidden + 1
         add(
             "critic", 4 * backbone + 12 * (lora_ct if cl.enabled else backbone), P, "+ grads, AdamW"
         )
-    if cfg.algorithm == "distill" and cfg.distill.teacher:
+    if needs_teacher and cfg.distill.teacher:
         add("teacher", 4 * load_shape(cfg.distill.teacher).total, P, "frozen, fp32")
     if cfg.rollout.async_rollouts or (fsdp and path != "none"):
         add("sampling copy", 4 * s.total, P, "async producer's / fsdp's unsharded fp32")
@@ -450,7 +453,7 @@ def _estimate(cfg: RunConfig, s: ModelShape, kind: str, gpus: int, lp: int, how:
         head += 128 * v * 2 + min(mb * c, 1024) * v * 2 + 2 * vh if bf16 else 0
         add("logits (fused head)", head, "update", "chunked (128, V) buffers")
     else:
-        per = 12 + (8 if o.entropy_coef > 0 else 0) + (12 if cfg.algorithm == "distill" else 0)
+        per = 12 + (8 if o.entropy_coef > 0 else 0) + (12 if needs_teacher else 0)
         add("logits", per * mb * c * v, "update", f"fp32 log-softmax ({mb}, {c}, {v}) x3")
     if not lora:
         add("head gradient (fresh)", 4 * vh, "update+", "before it is added to .grad")
@@ -462,7 +465,7 @@ def _estimate(cfg: RunConfig, s: ModelShape, kind: str, gpus: int, lp: int, how:
         add("gradients in flight", 4 * trained / shard, U2, "the completion pass's")
         per_prompt = s.saved_per_token_layer(bf16, lp) * (s.layers + 1) + 8 * s.hidden
         add("prompt activations", prompts * lp * per_prompt, U2, f"{prompts} x {lp} tokens")
-    if cfg.algorithm == "ppo":
+    if needs_critic:
         add("critic activations", activations(critic, False), "critic", "the critic's update")
 
     # -- rollout and eval
