@@ -35,16 +35,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rlvr.config import RunConfig
 from rlvr.models import Policy
 from rlvr.records import FinishReason, Group, Span, Task, Trajectory
+from rlvr.rollout.engine import Scoring
 from rlvr.rollout.hf import HFGenerator
 from rlvr.serve.app import ROLLOUT_KEY_PREFIX, create_app
 from rlvr.serve.recorder import RecordedRollout, Recorder
 from rlvr.serve.runner import BackgroundServer, serve_state
-from rlvr.train.sources import Sources
 from rlvr.verifiers.rubric import Prefetched, resolve_callable
 
 SERVED_MODEL_NAME = "policy"
@@ -172,6 +172,13 @@ def failed_trajectory(task: Task, tokenizer: Any, why: str) -> Trajectory:
     )
 
 
+class TaskScoring(Protocol):
+    """How each task is scored: the trainer's `Sources` (rlvr.train.sources) is one. A protocol, so
+    that this server does not import the trainer (tests/test_layers.py)."""
+
+    def scoring(self, task: Task) -> Scoring: ...
+
+
 class ExternalRollout:
     """The in-run endpoint and the agent calls; `rollout(tasks, g)` -> (P, g) scored groups."""
 
@@ -180,7 +187,7 @@ class ExternalRollout:
         cfg: RunConfig,
         policy: Policy,
         generator: HFGenerator,
-        sources: Sources,
+        sources: TaskScoring,
         config_dir: Path | None = None,
     ) -> None:
         self.cfg = cfg
