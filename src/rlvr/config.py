@@ -204,14 +204,17 @@ class RolloutConfig(_Section):
     )
     async_rollouts: bool = Field(
         False,
-        description="Generate the next batch (on a copy of the policy) while the update runs: "
-        "one-step off-policy, importance-weighted (objective.tis_cap, 2.0 unless set).",
+        description="Generate the next batches (on a copy of the policy) while the update runs: "
+        "up to max_staleness updates off-policy, corrected by objective.off_policy_correction "
+        "(truncated IS per token, tis_cap 2.0, unless set).",
     )
     max_staleness: int = Field(
         1,
         ge=0,
-        description="Async rollouts: drop (and regenerate) a batch sampled by weights more than this "
-        "many updates old. 0 makes async rollouts wait for the latest weights (no overlap).",
+        description="Async rollouts: k, the staleness bound. The sampler runs up to k rounds ahead, "
+        "so a batch is sampled by weights up to k updates old (AReaL's eta); one older than that "
+        "(several updates per round) is dropped and sampled again. 0 makes async rollouts wait "
+        "for the latest weights (no overlap).",
     )
 
     @model_validator(mode="before")
@@ -438,6 +441,24 @@ class ObjectiveConfig(_Section):
         "Unless set (null turns it off), 2.0 with a server backend, async rollouts, or decode: "
         "fast from a bf16 weight copy (generator.decode_dtype).",
     )
+    off_policy_correction: (
+        Literal[
+            "tis_token", "tis_sequence", "mis_token", "mis_sequence", "icepop", "geo_mask", "none"
+        ]
+        | None
+    ) = Field(
+        None,
+        description="How tokens another policy sampled count (rlvr/algorithms/off_policy.py): "
+        "tis_ truncates the ratio pi_old / pi_behaviour at tis_cap, mis_ drops tokens (sequences) "
+        "above it, per token or per sequence (product of ratios); icepop drops tokens whose ratio "
+        "leaves off_policy_bounds; geo_mask drops sequences whose geometric-mean ratio leaves them. "
+        "Unset: tis_token when tis_cap is set, else none (GSPO weighs tis_token per sequence).",
+    )
+    off_policy_bounds: tuple[float, float] | None = Field(
+        None,
+        description="[lo, hi] of icepop and geo_mask; None = [0.5, 5] for icepop (IcePop's), "
+        "[0.999, 1.001] for geo_mask.",
+    )
     overlong_buffer_fraction: float | None = Field(
         None,
         gt=0.0,
@@ -453,6 +474,16 @@ class ObjectiveConfig(_Section):
     whiten_advantages: bool = Field(
         True, description="ppo / token-level REINFORCE++: normalise advantages over the batch."
     )
+
+    @model_validator(mode="after")
+    def _check_off_policy(self) -> ObjectiveConfig:
+        capped = ("tis_token", "tis_sequence", "mis_token", "mis_sequence")
+        if self.off_policy_correction in capped and self.tis_cap is None:
+            raise ValueError(f"off_policy_correction {self.off_policy_correction} needs tis_cap")
+        lo, hi = self.off_policy_bounds or (0.5, 5.0)
+        if not 0.0 < lo < hi:
+            raise ValueError(f"off_policy_bounds must satisfy 0 < lo < hi, got [{lo}, {hi}]")
+        return self
 
 
 class CriticConfig(_Section):
@@ -1028,8 +1059,11 @@ class RunConfig(_Section):
             else None,
             model.get("device", "auto") if isinstance(model, dict) else "auto",
         )
+        # A correction named by the user that truncates or masks at the cap gets the cap too.
+        correction = objective.get("off_policy_correction") if isinstance(objective, dict) else None
+        capped = isinstance(correction, str) and correction.startswith(("tis_", "mis_"))
         if (
-            (off_engine or stale or bf16_copy)
+            (off_engine or stale or bf16_copy or capped)
             and isinstance(objective, dict)
             and "tis_cap" not in objective
         ):

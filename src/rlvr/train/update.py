@@ -5,9 +5,11 @@ reading; they are the first thing to move out (issue 37).
 
     loss_t = w_t * L_pg(r_t, A_t) + beta * KL_est(pi || pi_ref)_t - c_H * H_t  [+ KL(pi || teacher)_t]
 
-L_pg is the algorithm's policy loss (PPO-clip, GSPO, CISPO; rlvr.algorithms.losses), w_t the truncated
-importance weight when `objective.tis_cap` is set, the KL term is here only when it is not in the
-reward (`objective.kl_in_reward`), and the teacher term only for `algorithm: distill`.
+L_pg is the algorithm's policy loss (PPO-clip, GSPO, CISPO; rlvr.algorithms.losses), w_t the
+off-policy correction's weight (`objective.off_policy_correction`, rlvr.algorithms.off_policy;
+truncated IS per token when `objective.tis_cap` is set and no correction is named), the KL term is
+here only when it is not in the reward (`objective.kl_in_reward`), and the teacher term only for
+`algorithm: distill`.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from rlvr.algorithms import (
     KL_ESTIMATORS,
     aggregate,
     full_reverse_kl,
-    truncated_importance_weights,
     zero_outside,
 )
+from rlvr.algorithms.off_policy import build_correction, resolve_correction, sequence_ratio_loss
 from rlvr.build import device_or_cpu, use_bf16
 from rlvr.config import RunConfig
 from rlvr.devices import device_of
@@ -272,6 +274,13 @@ def policy_update(
     obj, model = cfg.objective, policy.model
     bf16 = use_bf16(cfg.model)
     loss_fn = ALGORITHMS.resolve(cfg.algorithm).loss
+    correction_name = resolve_correction(obj.off_policy_correction, obj.tis_cap)
+    correction = build_correction(
+        correction_name,
+        cap=obj.tis_cap,
+        bounds=obj.off_policy_bounds,
+        sequence_ratio=sequence_ratio_loss(loss_fn),
+    )
     usable = [i for i, t in enumerate(trajectories) if trains_on(t, cfg)]
     if not usable:
         return {"update/skipped": 1.0}
@@ -383,12 +392,13 @@ def policy_update(
                 epsilon_high=obj.epsilon_high,
             )
             per_token_B_C = out.loss_B_T * pg_weight
-            if obj.tis_cap is not None:
+            if correction is not None:
                 behaviour_B_C = torch.where(on_B_C, b.behaviour_logprobs_B_C, 0.0)
-                weights_B_C = truncated_importance_weights(old_B_C, behaviour_B_C, obj.tis_cap)
-                per_token_B_C = per_token_B_C * weights_B_C
-                add("tis_weight", zero_outside(weights_B_C, mask).sum())
-                add("tis_capped", zero_outside((weights_B_C >= obj.tis_cap).float(), mask).sum())
+                corrected = correction(old_B_C, behaviour_B_C, mask)
+                per_token_B_C = per_token_B_C * corrected.weights_B_T
+                add("tis_weight", zero_outside(corrected.weights_B_T, mask).sum())
+                add("tis_capped", corrected.clipped_B_T.sum())
+                add("off_policy_masked", corrected.masked_B_T.sum())
             if ref_logprobs is not None:
                 ref_B_C = torch.where(on_B_C, ref_logprobs[i], 0.0)
                 kl_B_C = KL_ESTIMATORS[obj.kl_estimator](logp_B_C, ref_B_C)
@@ -475,6 +485,10 @@ def policy_update(
     if "tis_weight" in sums:
         metrics["update/tis_weight_mean"] = per_token("tis_weight", n_fwd)
         metrics["update/tis_capped_frac"] = per_token("tis_capped", n_fwd)
+        if correction_name in ("mis_token", "mis_sequence", "icepop", "geo_mask"):
+            # verl's name: the share of policy tokens the correction gave weight 0.
+            masked = per_token("off_policy_masked", n_fwd)
+            metrics["rollout_corr/rollout_is_masked_fraction"] = masked
     if "distill" in sums:
         metrics["distill/reverse_kl"] = per_token("distill", n_fwd)
     return metrics
