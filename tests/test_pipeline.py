@@ -101,7 +101,7 @@ def test_reward_model_stage_scores_a_later_rl_stage_as_non_verifiable(
                         "task": {"source": "arithmetic", "arithmetic": {"digits": 1}},
                         "rewards": [
                             {
-                                "fn": "rlvr.verifiers.reward_model:reward_model",
+                                "fn": "rlvr.offline.reward_model:reward_model",
                                 "name": "rm",
                                 "options": {"path": "{stage:rm}", "max_length": 64},
                             },

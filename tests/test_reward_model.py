@@ -15,10 +15,9 @@ from rlvr.config import RewardSpec
 from rlvr.errors import ConfigError
 from rlvr.offline import RewardModelConfig, load_reward_model, train_reward_model
 from rlvr.offline.data import Example, collate
-from rlvr.offline.reward_model import build_reward_model, sequence_scores
+from rlvr.offline.reward_model import build_reward_model, reward_model, sequence_scores
 from rlvr.records import Task, Trajectory
 from rlvr.verifiers.judge import is_verifiable
-from rlvr.verifiers.reward_model import reward_model
 
 # Runs the loop with model.bf16: auto, so its numbers depend on the CPU kind (tests/conftest.py).
 pytestmark = pytest.mark.precision
@@ -75,7 +74,7 @@ def test_reward_function_prefers_chosen_and_is_not_verifiable(trained: Any) -> N
     assert not is_verifiable(reward_model)
     # Through a config rubric: the task's prompt messages arrive as `prompt`.
     rubric = build_rubric(
-        [RewardSpec(fn="rlvr.verifiers.reward_model:reward_model", options={"path": path})]
+        [RewardSpec(fn="rlvr.offline.reward_model:reward_model", options={"path": path})]
     )
     assert not is_verifiable(rubric.functions[0])
     messages = [{"role": "user", "content": "is 3 70?"}]

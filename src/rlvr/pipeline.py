@@ -15,7 +15,7 @@ Each stage writes to OUTPUT_DIR/<name>/ and leaves its model in a plain HF direc
 policy stage starts from (`model.name` is filled in; setting it is an error, except with `from:`).
 A `reward_model` stage's output is not a policy: the next stage continues from the one before it,
 and a later stage points at it with the string `{stage:NAME}` anywhere in its config (e.g. the
-`path` option of the `rlvr.verifiers.reward_model:reward_model` reward). `kind: distill` samples a
+`path` option of the `rlvr.offline.reward_model:reward_model` reward). `kind: distill` samples a
 teacher (`teacher_data:`) and fine-tunes the student on the samples (SFT); on-policy distillation is
 `kind: rl` with `algorithm: distill`.
 

@@ -7,6 +7,23 @@ The model is `AutoModelForSequenceClassification` with one output, built from a 
 conversation is the head's output at its last real token. That position is found from the attention
 mask, not from `pad_token_id` as transformers' own pooling does: where the pad token is the EOS
 (common), transformers would skip a real trailing EOS and read the token before it.
+
+The trained model is also a reward function, `reward_model` at the end of this file. In a config
+rubric:
+
+    rewards:
+      - fn: rlvr.offline.reward_model:reward_model
+        options: {path: runs/rm/model}
+
+It is NOT a verifier: its score is a model's guess. A policy optimised against a reward model learns
+to exploit it (reward hacking, Gao et al. 2022), so the function carries `mark_not_verifiable` and
+its values should be read apart from verified ones. It lives here, beside its trainer, rather than in
+verifiers/ (which sees text only, tests/test_layers.py), because it runs a model.
+
+The score depends on the prompt. A rubric passes it as `prompt`: the task's own `prompt` field when
+it has one, else the task's prompt messages (see `RewardFunction.keyword_arguments`). Called without
+a prompt the function raises rather than score the completion out of context. The model is loaded
+once per (path, max_length) and shared by every call and thread.
 """
 
 from __future__ import annotations
@@ -52,6 +69,7 @@ from rlvr.offline.data import (
     train_and_heldout,
 )
 from rlvr.train.batch import autocast_context
+from rlvr.verifiers.judge import mark_not_verifiable
 
 
 def build_reward_model(
@@ -239,3 +257,37 @@ def load_reward_model(
             f"reward model '{path}' has {model.config.num_labels} outputs; a reward model has 1"
         )
     return RewardScorer(model, tokenizer, max_length=max_length, bf16=bf16)
+
+
+# ---------------------------------------------------------------- the trained model as a reward
+_SCORERS: dict[tuple[str, int], Any] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def _scorer(path: str, max_length: int) -> Any:
+    key = (path, max_length)
+    with _LOAD_LOCK:
+        scorer = _SCORERS.get(key)
+        if scorer is None:
+            scorer = _SCORERS[key] = load_reward_model(path, max_length=max_length)
+    return scorer
+
+
+def reward_model(
+    completion: str,
+    path: str,
+    prompt: str | list[dict[str, str]] | None = None,
+    max_length: int = 1024,
+    scale: float = 1.0,
+) -> float:
+    """`scale` * the reward model's score of `completion` as the assistant's reply to `prompt`.
+
+    `path` is a reward model directory (or the OUTPUT_DIR of `train_reward_model`). Scores are
+    unbounded logits; `scale` (or the rubric weight) sets their size next to other rewards.
+    """
+    if prompt is None:
+        raise ValueError("reward_model needs the prompt the completion answers (prompt=...)")
+    return scale * float(_scorer(path, max_length).score(prompt, completion))
+
+
+mark_not_verifiable(reward_model)
