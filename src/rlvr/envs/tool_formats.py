@@ -36,10 +36,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
-
-if TYPE_CHECKING:
-    from rlvr.envs.tools import ToolResult
+from typing import Any, ClassVar, Literal
 
 Message = dict[str, Any]
 ToolFormatName = Literal["hermes", "qwen3", "llama3_json", "mistral"]
@@ -64,6 +61,16 @@ class ToolCall:
     arguments: dict[str, Any]
     error: str | None = None
     id: str = ""
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A call's result as it goes back to the model (rlvr.envs.tools runs the calls). Defined here,
+    with `ToolCall`, because every format writes it (`result_message`)."""
+
+    name: str
+    content: str
+    error_kind: str | None = None  # one of rlvr.envs.tools.ERROR_KINDS, None on success
 
 
 def _json_values(text: str) -> tuple[list[Any], str | None, str]:

@@ -31,7 +31,7 @@ from typing import Any
 from transformers.utils import get_json_schema
 
 from rlvr.envs.base import Env, EnvStep, Message
-from rlvr.envs.tool_formats import HERMES, ToolCall, ToolFormat
+from rlvr.envs.tool_formats import HERMES, ToolCall, ToolFormat, ToolResult
 
 _MAX_RESULT_CHARS = 4000
 
@@ -49,13 +49,6 @@ class Tool:
     @classmethod
     def from_function(cls, fn: Callable[..., Any]) -> Tool:
         return cls(name=fn.__name__, fn=fn, schema=get_json_schema(fn))
-
-
-@dataclass(frozen=True)
-class ToolResult:
-    name: str
-    content: str
-    error_kind: str | None = None  # one of ERROR_KINDS, None on success
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
