@@ -55,6 +55,26 @@ def test_the_threshold_follows_the_precision_of_both_sides() -> None:
 
 
 @pytest.mark.parametrize(
+    ("launch_args", "precision"),
+    [
+        ([], "bf16"),  # vLLM's auto dtype: the checkpoint's, bf16 for an fp32 one
+        (["--dtype", "bfloat16"], "bf16"),
+        (["--dtype", "float32"], "fp32"),
+        (["--max-model-len", "2048", "--dtype=float"], "fp32"),
+        (["--dtype", "half"], "bf16"),  # fp16: the 16-bit threshold
+    ],
+)
+def test_a_launched_vllm_is_judged_by_its_own_dtype(launch_args: list[str], precision: str) -> None:
+    """Issue 35 (3): an fp32 vLLM judged by the bf16 threshold (0.1) hid a stale tied head after
+    each sync (~3e-3 per token against ~1e-5 noise); its launch dtype now sets the threshold."""
+    s = mismatch_setup(
+        _cfg(generator={"backend": "server", "launch": "vllm", "launch_args": launch_args})
+    )
+    assert s is not None and s.precision == precision, s
+    assert s.threshold == (1e-3 if precision == "fp32" else 0.1)
+
+
+@pytest.mark.parametrize(
     ("generator", "objective", "tis_cap", "precision"),
     [
         ({"decode": "fast", "decode_dtype": "bfloat16"}, {}, 2.0, "bf16"),

@@ -5,6 +5,7 @@ returns no token ids."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -213,7 +214,7 @@ def test_lora_weight_sync(fresh: Served, tiny_model_dir: Path, tmp_path: Path) -
     for step in (1, 2):
         perturb(learner, step)
         gen.sync_weights(learner, step=step)
-        assert gen.model == f"rlvr-step-{step}"
+        assert gen.model == f"rlvr-{gen.run_id}-step-{step}"
         assert list(fresh.state.adapters) == [gen.model]  # the previous adapter was unloaded
         assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{step}"]
         assert_logprobs_match(learner.model, gen, sampling, PROMPTS)
@@ -222,12 +223,81 @@ def test_lora_weight_sync(fresh: Served, tiny_model_dir: Path, tmp_path: Path) -
     with learner.reference() as reference:
         assert_logprobs_match(reference, gen, sampling, PROMPTS[:1])
     names = [m["id"] for m in httpx.get(f"{fresh.url}/models", trust_env=False).json()["data"]]
-    assert names == ["tiny", "rlvr-step-2"]
-    assert fresh.post("/v1/unload_lora_adapter", {"lora_name": "rlvr-step-2"}).status_code == 200
+    assert names == ["tiny", f"rlvr-{gen.run_id}-step-2"]
+    unload = {"lora_name": f"rlvr-{gen.run_id}-step-2"}
+    assert fresh.post("/v1/unload_lora_adapter", unload).status_code == 200
     assert fresh.state.adapters == {} and type(fresh.state.model).__name__ == "LlamaForCausalLM"
     with learner.reference() as reference:
         assert_logprobs_match(reference, gen, sampling, PROMPTS[:1])
-    gen.close()
+    with pytest.warns(UserWarning, match="could not unload"):  # it was unloaded above
+        gen.close()
+
+
+def test_adapter_names_are_unique_per_run_and_unloaded_at_close(
+    fresh: Served, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 35 (2): adapters were named rlvr-step-N, so a resumed run (which re-syncs its last
+    step) or a second run against the same server asked for a name the server held: HTTP 400
+    "already been loaded". Names now carry a per-run id, and close() unloads the run's adapter."""
+    learner = load_policy(str(tiny_model_dir), lora=LoraSettings(r=4))
+    crashed = ServerGenerator(fresh.url, "tiny", weight_sync="lora", sync_dir=tmp_path / "a")
+    crashed.sync_weights(learner, step=1)
+    crashed.sync_weights(learner, step=2)
+    crashed.client.close()  # the run dies without close(): its adapter stays on the server
+
+    resumed = ServerGenerator(fresh.url, "tiny", weight_sync="lora", sync_dir=tmp_path / "b")
+    other = ServerGenerator(fresh.url, "tiny", weight_sync="lora", sync_dir=tmp_path / "c")
+    resumed.sync_weights(learner, step=2)  # the resume's sync of the checkpoint's step
+    resumed.sync_weights(learner, step=2)  # the same name again: replaced in place
+    other.sync_weights(learner, step=2)  # a second run at the same step
+    assert len({crashed.model, resumed.model, other.model}) == 3
+    assert sorted(fresh.state.adapters) == sorted([crashed.model, resumed.model, other.model])
+    sampling = SamplingParams(n=1, max_new_tokens=4)
+    assert resumed.generate(PROMPTS[:1], sampling) and other.generate(PROMPTS[:1], sampling)
+    resumed.close()
+    other.close()
+    assert list(fresh.state.adapters) == [crashed.model]  # only the dead run's is left
+
+
+def test_a_tied_head_is_written_into_every_full_sync(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 35 (1): vLLM's in-place reload kept a tied model's old output head. The fix runs vLLM
+    untied (--hf-overrides) and writes lm_head.weight into each sync folder. Here the stand-in
+    server plays the untied vLLM: its head is a tensor of its own, which a folder without
+    lm_head.weight leaves stale (rlvr serve refuses such a folder); with it, the server samples
+    exactly the learner's distribution."""
+    from rlvr.rollout.server import tied_head_name
+
+    learner = load_policy(str(tiny_model_dir))
+    assert tied_head_name(learner.model) == "lm_head.weight"  # the tiny model ties, as SmolLM2
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    learner.model.eval()
+
+    untied = load_policy(str(tiny_model_dir))
+    head = untied.model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach().clone())  # as --hf-overrides untied
+    assert tied_head_name(untied.model) is None
+    state = serve_state(untied, "tiny")
+    with BackgroundServer(create_app(state, open_admin=True)) as server:
+        gen = ServerGenerator(server.base_url, "tiny", weight_sync="full", sync_dir=tmp_path)
+        gen.sync_weights(learner, step=1)
+        assert (tmp_path / "full-step-1" / "lm_head.safetensors").is_file()
+        assert torch.equal(
+            state.model.get_output_embeddings().weight,
+            learner.model.get_input_embeddings().weight,
+        )
+        assert_logprobs_match(learner.model, gen, SamplingParams(n=2, max_new_tokens=6), PROMPTS)
+        gen.close()
+
+    cfg = GeneratorConfig(backend="server", launch="vllm")
+    argv, env = launch_command(cfg, "/models/m", 8123, weight_sync="full", tied_head=True)
+    flag = argv.index("--hf-overrides")
+    assert json.loads(argv[flag + 1]) == {"tie_word_embeddings": False}
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    argv, _ = launch_command(cfg, "/models/m", 8123, weight_sync="lora", tied_head=True)
+    assert "--hf-overrides" not in argv  # adapters leave the head alone
 
 
 @pytest.mark.parametrize(

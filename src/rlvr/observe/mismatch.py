@@ -22,6 +22,7 @@ scoring lives with the trainer in rlvr.train.canary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rlvr.config import RunConfig, bf16_sampling_copy
@@ -53,8 +54,10 @@ def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
 
     precision auto: fp32 only when both sides are known fp32 (model.bf16 off, and the sampler is
     in process without a bf16 weight copy to decode from (`bf16_sampling_copy`: decode fast with a
-    bf16 decode_dtype), or `rlvr serve`, which samples in fp32); a vLLM or hand-started server is
-    assumed to serve bf16 (vLLM's dtype auto takes the checkpoint's, usually bf16). The behaviour
+    bf16 decode_dtype), `rlvr serve`, which samples in fp32, or a vLLM launched with `--dtype
+    float32` in generator.launch_args); a vLLM launched without it or a hand-started server is
+    assumed to serve bf16 (vLLM's dtype auto takes the checkpoint's, bf16 for an fp32 one; set
+    precision fp32 for an fp32 server at generator.url). The behaviour
     metric is not read with async rollouts (the sampler is one update behind by design) nor with
     top_p < 1 on a server other than rlvr serve (vLLM renormalises its log-probs over the nucleus,
     the trainer does not): the canary still is."""
@@ -64,9 +67,14 @@ def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
     g = cfg.generator
     # What rlvr.build.use_bf16 answers for the trainer (this module sits below rlvr.build).
     trainer_bf16 = bf16_setting_on(cfg.model.bf16, cfg.model.name, cfg.model.device)
-    known_fp32_server = g.backend == "server" and g.launch == "rlvr"
+    rlvr_server = g.backend == "server" and g.launch == "rlvr"
+    # The server's own dtype, as launched: a threshold for bf16 would hide an fp32 server's real
+    # defects (a stale tied head after a sync: ~3e-3 per token, under 0.03, 400x fp32 noise).
+    fp32_dtypes = ("float32", "float")  # vLLM's names for fp32
+    vllm_fp32 = g.launch == "vllm" and launch_dtype(g.launch_args) in fp32_dtypes
+    vllm_fp32 = vllm_fp32 and g.backend == "server"
     # In process the sampler never autocasts (rlvr.build); a bf16 copy is asked below.
-    sampler_bf16 = g.backend == "server" and not known_fp32_server
+    sampler_bf16 = g.backend == "server" and not (rlvr_server or vllm_fp32)
     if c.precision != "auto":
         precision, why = c.precision, "monitors.sampler_mismatch.precision"
     elif trainer_bf16:
@@ -75,17 +83,30 @@ def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
         precision = "bf16"
         why = "the sampler decodes from a bf16 copy of the weights (generator.decode_dtype)"
     elif sampler_bf16:
-        precision, why = "bf16", "a server other than rlvr serve is assumed to sample in bf16"
+        precision = "bf16"
+        why = (
+            "a server other than rlvr serve, unless launched with --dtype float32, is assumed bf16"
+        )
     else:
         precision, why = "fp32", "sampler and trainer both fp32"
     threshold = c.max_abs_diff_bf16 if precision == "bf16" else c.max_abs_diff_fp32
     not_read = ""
     if cfg.rollout.async_rollouts:
-        not_read = "async rollouts sample from a copy one update behind"
-    elif g.backend == "server" and cfg.sampling.top_p < 1.0 and not known_fp32_server:
+        not_read = "async rollouts sample from a copy up to max_staleness updates behind"
+    elif g.backend == "server" and cfg.sampling.top_p < 1.0 and not rlvr_server:
         not_read = "vLLM renormalises log-probs over the top-p nucleus"
     keys = (CANARY_METRIC,) if not_read else (CANARY_METRIC, BEHAVIOUR_METRIC)
     return MismatchSetup(precision, threshold, why, keys, not_read)
+
+
+def launch_dtype(launch_args: Sequence[str]) -> str | None:
+    """The value of `--dtype` (`--dtype X` or `--dtype=X`) in a server's launch arguments, or None."""
+    for i, arg in enumerate(launch_args):
+        if arg == "--dtype" and i + 1 < len(launch_args):
+            return launch_args[i + 1]
+        if arg.startswith("--dtype="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def sampler_mismatch(history: History, s: MismatchSetup) -> Finding | None:

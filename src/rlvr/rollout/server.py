@@ -15,10 +15,18 @@ uninterrupted one would have. rlvr serve then samples exactly what an in-process
 with that seed samples; vLLM is reproducible per seed on the same hardware and batch layout.
 
 After each update `sync_weights` moves the learner's weights to the server:
-- lora: the adapter is saved to SYNC_DIR/step-N and loaded as `rlvr-step-N`
-  (/v1/load_lora_adapter); later requests name it as `model`; the previous one is unloaded;
+- lora: the adapter is saved to SYNC_DIR/step-N and loaded as `rlvr-RUN-step-N`
+  (/v1/load_lora_adapter; RUN is random per generator, so a resumed run or a second run against
+  the same server never asks for a name the server already holds: vLLM answers 400 "already been
+  loaded"); later requests name it as `model`; the previous one is unloaded, and the last one at
+  `close()`;
 - full: the (merged) weights are saved to SYNC_DIR/full-step-N and the server reloads them in place
-  (/collective_rpc reload_weights, then /reset_prefix_cache: vLLM's dev-mode endpoints);
+  (/collective_rpc reload_weights, then /reset_prefix_cache: vLLM's dev-mode endpoints). A model
+  whose output head is tied to its input embedding (SmolLM2, Qwen2.5-0.5B/1.5B, Llama 3.2 1B/3B)
+  gets `lm_head.weight` written explicitly, and a launched vLLM runs it untied
+  (`--hf-overrides {"tie_word_embeddings": false}`): vLLM's reload_weights skips the head of a tied
+  model, so it kept sampling from the old head after every sync (a canary gap of ~3e-3 per token in
+  fp32, ~400x noise; issue 35);
 - none: the server keeps its weights (evaluation).
 
 Which log-probs: vLLM reports the tempered ones only with --logprobs-mode processed_logprobs (the
@@ -30,6 +38,7 @@ backend turns it on.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -114,6 +123,8 @@ class ServerGenerator:
         self.pool: ThreadPoolExecutor | None = None
         self.base_model = model or self._first_model()
         self.model = self.base_model  # the name requests use: the synced adapter's, with LoRA
+        # Part of every adapter name: unique per generator, so names never collide across runs.
+        self.run_id = secrets.token_hex(4)
         # (adapter name, or "" for full weights; its folder) of the last sync
         self._synced: tuple[str, Path] | None = None
 
@@ -253,7 +264,7 @@ class ServerGenerator:
         if mode == "lora":
             if not policy.lora:
                 raise ConfigError("generator.weight_sync lora needs a LoRA policy (model.lora)")
-            name = f"rlvr-step-{step}"
+            name = f"rlvr-{self.run_id}-step-{step}"
             folder = write_folder(self.sync_dir / f"step-{step}", policy.model.save_pretrained)
             self._post(
                 "/v1/load_lora_adapter",
@@ -284,9 +295,17 @@ class ServerGenerator:
 
     # ---------------------------------------------------------------------------------------- close
     def close(self) -> None:
+        """Stop the request pool; unload this run's adapter from a server it did not launch (one
+        it launched stops with it); stop a launched server."""
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
             self.pool = None
+        if self._synced is not None and self._synced[0] and self.process is None:
+            try:
+                self._post("/v1/unload_lora_adapter", {"lora_name": self._synced[0]})
+            except ServerError as err:  # closing anyway: say so, never raise from a finally
+                warnings.warn(f"could not unload LoRA adapter at close: {err}", stacklevel=2)
+            self._synced = None
         self.client.close()
         if self.process is not None:
             stop_process(self.process)
@@ -348,6 +367,7 @@ def save_full(policy: Policy, folder: str) -> None:
     model = policy.model
     if not policy.lora:
         model.save_pretrained(folder)
+        write_tied_head(model, folder)
         return
     from peft.tuners.lora.layer import Linear as LoraLinear
 
@@ -367,6 +387,41 @@ def save_full(policy: Policy, folder: str) -> None:
         if "lora_" not in key
     }
     base.save_pretrained(folder, state_dict=state)
+    write_tied_head(base, folder)
+
+
+def tied_head_name(model: Any) -> str | None:
+    """The output head's weight name ("lm_head.weight") when it is the input embedding's tensor
+    (tied), else None. `model`: a plain transformers model (a peft wrapper's base)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embedding is None or head.weight is not embedding.weight:
+        return None
+    return next(f"{n}.weight" for n, m in model.named_modules() if m is head)
+
+
+def write_tied_head(model: Any, folder: str | Path) -> None:
+    """Add a tied output head to a save_pretrained folder, which leaves it out (the loader reties
+    it). vLLM's in-place reload_weights does not retie, so a server running the model untied
+    (`--hf-overrides {"tie_word_embeddings": false}`) needs the head in every sync folder. Written
+    as its own file, `lm_head.safetensors`, and entered in the shard index when there is one."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    name = tied_head_name(model)
+    if name is None:
+        return
+    folder = Path(folder)
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as handle:
+            if name in list(handle.keys()):  # a safetensors handle has no __contains__
+                return
+    head = model.get_output_embeddings().weight.detach().cpu().contiguous().clone()
+    save_file({name: head}, str(folder / "lm_head.safetensors"), metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data.setdefault("weight_map", {})[name] = "lm_head.safetensors"
+        index.write_text(json.dumps(data, indent=2))
 
 
 # ---------------------------------------------------------------------------------------------- launch
@@ -378,10 +433,12 @@ def launch_command(
     weight_sync: str = "none",
     lora_rank: int | None = None,
     api_key: str | None = None,
+    tied_head: bool = False,
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) starting the server `cfg.launch` names on 127.0.0.1:port. The
     `api_key` goes in the environment (RLVR_API_KEY / VLLM_API_KEY), never in argv, which every
-    user of the host can read in /proc."""
+    user of the host can read in /proc. `tied_head`: the model's output head is its input
+    embedding; with full weight sync vLLM then runs it untied (see the module docstring)."""
     if cfg.launch == "rlvr":
         argv = [sys.executable, "-m", "rlvr.cli", "serve", model_path]
         key_env = {API_KEY_ENV: api_key} if api_key else {}
@@ -399,6 +456,8 @@ def launch_command(
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     elif weight_sync == "full":
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
+        if tied_head:  # its own head tensor, which reload_weights then fills from lm_head.weight
+            argv += ["--hf-overrides", json.dumps({"tie_word_embeddings": False})]
     return [*argv, *cfg.launch_args], env
 
 
@@ -411,6 +470,7 @@ def launch_server(
     lora_rank: int | None = None,
     log_path: str | Path | None = None,
     api_key: str | None = None,
+    tied_head: bool = False,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start the server (port 0: a free one), wait until it answers, return (process, base URL
     ending in /v1). Its output goes to `log_path` (default: a temp file), quoted when it dies.
@@ -419,7 +479,13 @@ def launch_server(
 
     port = port or free_port()
     argv, env = launch_command(
-        cfg, model_path, port, weight_sync=weight_sync, lora_rank=lora_rank, api_key=api_key
+        cfg,
+        model_path,
+        port,
+        weight_sync=weight_sync,
+        lora_rank=lora_rank,
+        api_key=api_key,
+        tied_head=tied_head,
     )
     if log_path is None:
         log_path = Path(tempfile.mkdtemp(prefix="rlvr-server-")) / "server.log"
@@ -543,6 +609,7 @@ def build_server_generator(
             lora_rank=rank,
             log_path=run_dir / "generator_server.log",
             api_key=api_key,
+            tied_head=tied_head_name(base) is not None,
         )
     else:
         raise ConfigError("generator.backend server needs generator.url or generator.launch")
