@@ -580,3 +580,50 @@ def test_lora_dropout_in_an_rl_run_is_refused_not_ignored() -> None:
     assert "model.lora.dropout=0.05 is not used by RL updates" in str(err.value)
     assert "\n" not in str(err.value)
     load_config(None, ["model.lora.enabled=true", "model.lora.dropout=0"])
+
+
+def test_reward_std_is_trls_batch_std_and_the_in_group_std_has_its_own_name() -> None:
+    """TRL logs `reward_std` = the std of the batch's rewards; rlvr's signal metric, the mean of
+    the in-group stds, is `reward_std_in_group` (issue 37: one name, two meanings before)."""
+    task = Task(id="t", messages=({"role": "user", "content": "q"},))
+    groups = [
+        Group(task, tuple(traj(r, (1, 1)) for r in (0.0, 0.0, 1.0, 1.0))),
+        Group(task, tuple(traj(1.0, (1, 1)) for _ in range(4))),
+    ]
+    row = rollout_metrics(groups, [], 4)
+    # batch: 0, 0, 1 x 6; mean 0.75; squared deviations 2 x 0.5625 + 6 x 0.0625 = 1.5; / 7 (Bessel)
+    assert row["reward_std"] == pytest.approx(math.sqrt(1.5 / 7))  # 0.4629
+    # in group: (0, 0, 1, 1) -> sqrt(1 / 3) = 0.5774, (1, 1, 1, 1) -> 0; mean 0.2887
+    assert row["reward_std_in_group"] == pytest.approx(math.sqrt(1 / 3) / 2)
+
+
+# ------------------------------------------------- docs/coming_from_trl.md's mapping, on tensors
+def test_trls_bias_corrected_k3_has_rlvrs_k2_gradient_on_policy() -> None:
+    """TRL 1.16 (use_bias_correction_kl=True): loss += beta * ratio * k3, ratio = exp(logp - old)
+    differentiable and 1 on-policy. Its gradient per token, (logp - ref) grad logp, is k2's."""
+    torch.manual_seed(0)
+    ref = torch.randn(3, 5)
+    logp_trl = torch.randn(3, 5, requires_grad=True)
+    logp_rlvr = logp_trl.detach().clone().requires_grad_(True)
+    log_r = ref - logp_trl
+    ratio = torch.exp(logp_trl - logp_trl.detach())  # value 1: the first pass on fresh samples
+    (ratio * (torch.exp(log_r) - log_r - 1)).sum().backward()
+    KL_ESTIMATORS["k2"](logp_rlvr, ref).sum().backward()
+    assert logp_rlvr.grad is not None and logp_trl.grad is not None
+    torch.testing.assert_close(logp_rlvr.grad, logp_trl.grad, rtol=1e-6, atol=1e-6)
+    # ... and not k3's plain gradient (1 - ref/pi per token: the forward KL's).
+    logp_k3 = logp_trl.detach().clone().requires_grad_(True)
+    KL_ESTIMATORS["k3"](logp_k3, ref).sum().backward()
+    assert logp_k3.grad is not None and not torch.allclose(logp_k3.grad, logp_trl.grad)
+
+
+def test_trls_cispo_cap_is_rlvrs_one_plus_epsilon_high() -> None:
+    """TRL: -sg(min(ratio, epsilon_high)) * A * logp. rlvr: epsilon_high E - 1, epsilon 1.0."""
+    torch.manual_seed(1)
+    old = torch.randn(4, 6)
+    logp = old + torch.randn(4, 6) * 2  # ratios from ~0.01 to ~50: both caps bind somewhere
+    adv = torch.randn(4, 6)
+    trl_epsilon_high = 5.0
+    trl = -torch.clamp(torch.exp(logp - old), max=trl_epsilon_high) * adv * logp
+    ours = POLICY_LOSSES["cispo"](logp, old, adv, None, epsilon=1.0, epsilon_high=4.0).loss_B_T
+    torch.testing.assert_close(ours, trl)

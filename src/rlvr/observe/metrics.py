@@ -39,7 +39,14 @@ def rollout_metrics(
     lengths = [t.num_policy_tokens for t in trajs]
     out: dict[str, float] = {
         "reward": statistics.fmean(t.reward for t in usable) if usable else float("nan"),
-        "reward_std": float(std_P.mean()),
+        # TRL's `reward_std`: the std of the whole batch's rewards (Bessel-corrected, unscored rows
+        # left out, as TRL's nanstd leaves out its NaN rows). It mixes the spread between prompts
+        # with the spread within them, so it is not the signal GRPO learns from:
+        "reward_std": statistics.stdev(t.reward for t in usable)
+        if len(usable) > 1
+        else float("nan"),
+        # that is the mean over groups of the in-group std (what the group advantages divide by).
+        "reward_std_in_group": float(std_P.mean()),
         # group_reward_std is exactly 0 for a group with all-equal rewards (and > 0 otherwise): the
         # same rule the zero-std filter and the advantages use, whatever the float32 rounding.
         "frac_reward_zero_std": float((std_P == 0).float().mean()),

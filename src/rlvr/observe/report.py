@@ -65,7 +65,7 @@ PANELS = (
     Panel("truncated", "Completions cut at max_new_tokens", (("completions/clipped_ratio", "clipped ratio"),)),
     Panel("clip_ratio", "Policy-ratio clipping", (("clip_ratio/low_mean", "low"), ("clip_ratio/high_mean", "high"), ("clip_ratio/region_mean", "region"))),
     Panel("grad_norm", "Gradient norm (before clipping)", (("grad_norm", "policy"), ("critic/grad_norm", "critic"))),
-    Panel("group_signal", "Group signal: groups with no reward spread, in-group std", (("frac_reward_zero_std", "frac reward zero std"), ("reward_std", "in-group reward std"), ("rollout/in_group_std", "rollout/in_group_std"))),
+    Panel("group_signal", "Group signal: groups with no reward spread, in-group std", (("frac_reward_zero_std", "frac reward zero std"), ("reward_std_in_group", "in-group reward std"), ("rollout/in_group_std", "rollout/in_group_std"), ("reward_std", "batch reward std (TRL's reward_std)"))),
     Panel("tools", "Tool use", (("tools/call_frequency", "calls per episode"), ("tools/failure_frequency", "failed share of calls"), ("tools/call_rate", "episodes with a call")), active=_any_nonzero),
     Panel("tool_errors", "Tool errors by kind", (("tools/errors/*", "{}"),), active=_any_nonzero),
     Panel("turns", "Turns per episode", (("turns/mean", "mean"), ("turns/max", "max"), ("turns/max_turns_ratio", "hit max_turns")), active=lambda v: any(x > 1 for x in v.get("turns/max", [])) or _any_nonzero({"r": v.get("turns/max_turns_ratio", [])})),
@@ -198,7 +198,8 @@ def _rollouts_section(run: RunData, keep: int = 3) -> str:
 
 
 def _equal(a: Series, b: Series) -> bool:
-    """Equal curves, up to float32 rounding (reward_std and rollout/in_group_std are one number)."""
+    """Equal curves, up to float32 rounding (reward_std_in_group and rollout/in_group_std are one
+    number when no group is filtered out)."""
     return a[0] == b[0] and all(
         abs(x - y) <= 1e-6 * (1 + abs(x)) for x, y in zip(a[1], b[1], strict=True)
     )
