@@ -308,3 +308,33 @@ def test_cli_exits_1_for_a_broken_reward(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout + done.stderr
     assert "it is broken" in done.stdout and "RuntimeError: the grader is down" in done.stdout
     assert "no known hack is paid" not in done.stdout
+
+
+TRL_REWARD = '''import re
+
+
+def trl_correct(completions, answer, **kwargs):
+    """TRL's batch signature: lists in, one float per completion out (conversational format)."""
+    assert isinstance(completions, list) and isinstance(answer, list), "called one at a time"
+    rewards = []
+    for completion, expected in zip(completions, answer, strict=True):
+        numbers = re.findall(r"-?\\d+", completion[0]["content"])
+        rewards.append(float(bool(numbers) and numbers[-1] == str(expected)))
+    return rewards
+'''
+
+
+def test_cli_calls_a_trl_style_reward_with_lists(tmp_path: Path) -> None:
+    """A TRL batch function is detected by its `completions` parameter and called TRL's way, as a
+    rubric calls it; forced to rlvr's convention it fails every call and is reported broken."""
+    (tmp_path / "rewards.py").write_text(TRL_REWARD)
+    cli = [sys.executable, "-m", "rlvr.cli", "check-reward", "rewards.py:trl_correct", "--n", "3"]
+    auto = subprocess.run(cli, cwd=tmp_path, capture_output=True, text=True)
+    assert "TRL's way (style trl" in auto.stdout, auto.stdout + auto.stderr
+    assert "reference answer paid on 3/3 tasks" in auto.stdout
+    assert "broken" not in auto.stdout and "raised" not in auto.stdout
+    forced = subprocess.run([*cli, "--style", "rlvr"], cwd=tmp_path, capture_output=True, text=True)
+    assert forced.returncode == 1 and "it is broken" in forced.stdout
+    assert "called one at a time" in forced.stdout
+    typo = subprocess.run([*cli, "--style", "batch"], cwd=tmp_path, capture_output=True, text=True)
+    assert typo.returncode == 2 and "--style 'batch'" in typo.stderr

@@ -301,20 +301,39 @@ def check_reward_command(
         str, typer.Option("--task", help="arithmetic, or a config YAML whose tasks to use.")
     ] = "arithmetic",
     n: Annotated[int, typer.Option("--n", help="Held-out tasks to try each hack on.")] = 20,
+    style: Annotated[
+        str,
+        typer.Option(
+            "--style",
+            help="How to call the function, as a rubric's `style:`: auto (TRL's batch signature "
+            "when it has a `completions` parameter, else rlvr's), rlvr (fn(completion, "
+            "**task_fields)), trl (lists, completions as chat messages) or trl_text (lists of "
+            "strings).",
+        ),
+    ] = "auto",
 ) -> None:
     """Run known reward hacks against a reward function; exit 1 if it pays for any."""
     from rlvr.config import load_config
+    from rlvr.errors import ConfigError
     from rlvr.tasks import load_tasks
     from rlvr.verifiers import RewardFunction, resolve_reward_fn
     from rlvr.verifiers.redteam import red_team
+    from rlvr.verifiers.trl_style import RewardStyle, detect_style
 
     cfg = load_config(task if task.endswith((".yaml", ".yml")) else None)
     if not task.endswith((".yaml", ".yml")) and task != "arithmetic":
-        from rlvr.errors import ConfigError
-
         raise ConfigError(f"--task '{task}': expected arithmetic or a config .yaml")
+    styles: dict[str, RewardStyle] = {"rlvr": "rlvr", "trl": "trl", "trl_text": "trl_text"}
+    if style != "auto" and style not in styles:
+        raise ConfigError(f"--style '{style}': expected auto, rlvr, trl or trl_text")
     tasks = load_tasks(cfg.task).heldout[:n]
-    reward = RewardFunction(name=function, fn=resolve_reward_fn(function, base_dir=Path.cwd()))
+    fn = resolve_reward_fn(function, base_dir=Path.cwd())
+    # As a rubric calls it (rlvr.build.build_rubric): a TRL batch function gets lists, one entry
+    # per completion, not a completion string it would fail on and be called broken for.
+    called = detect_style(fn) if style == "auto" else styles[style]
+    reward = RewardFunction(name=function, fn=fn, style=called)
+    if called != "rlvr":
+        print(f"calling {function} TRL's way (style {called}: lists, one entry per completion)")
     report = red_team(reward, tasks)
     if report.reference_tried:
         print(f"reference answer paid on {report.reference_paid}/{report.reference_tried} tasks")
