@@ -17,7 +17,7 @@ so the reward is deterministic.
 Split: by payout tables (`split_key`), names and listing order left out: the same two tables
 under other names are the same decision, so they never sit on both sides.
 
-Demonstration policies (rlvr.envs.demos): `random_action` names one of the two arms at random (a
+Demonstration policies (rlvr.authoring.demos): `random_action` names one of the two arms at random (a
 format warm-up: right half the time); `scripted_action` names the better arm (behaviour cloning).
 """
 

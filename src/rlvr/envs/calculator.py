@@ -11,7 +11,7 @@ last number in the turn). Reward parts: `success` (1.0 for the exact answer), `f
 final answer is in an answer tag; weight 0.1), `used_tool` (1.0 when at least one call returned a
 result; weight 0: logged, not optimised, so the policy is paid for answers, not for calling).
 
-Demonstration policy (rlvr.envs.demos): `random_action` calls the calculator once on an expression
+Demonstration policy (rlvr.authoring.demos): `random_action` calls the calculator once on an expression
 over EVERY number of the question (in a random order, with random operators from + - * and a random
 parenthesisation, e.g. `(56 * 35) - 235` or `56 * (35 - 235)`; two numbers and one operator when
 the question has two), then answers the tool's result: the call and answer formats and the

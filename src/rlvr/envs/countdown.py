@@ -17,7 +17,7 @@ Split: by puzzle (the id: sorted numbers and target; an expression that uses eve
 both, so no two puzzles share a solution). Under `use_all: false` an expression over a subset
 solves every puzzle holding that subset and target, so there the key is the target alone.
 
-Demonstration policies (rlvr.envs.demos): `random_action` answers a random expression that uses
+Demonstration policies (rlvr.authoring.demos): `random_action` answers a random expression that uses
 each number once with random operators and grouping (valid, rarely the target: a format warm-up);
 `scripted_action` answers the expression the generator built (behaviour cloning).
 """

@@ -24,7 +24,7 @@ Instances: start and goal are two random cells, every other cell is a hole with 
 `hole_fraction`; the map is redrawn from the same rng until BFS finds a path of 2 to max_turns - 2
 moves, so every instance is solvable without slips within the env's turn cap.
 
-Demonstration policies (rlvr.envs.demos): `random_action` answers one of the four moves uniformly
+Demonstration policies (rlvr.authoring.demos): `random_action` answers one of the four moves uniformly
 (well formed, chosen blindly: a format warm-up); `scripted_action` walks a shortest safe path from
 where the newest observation shows the player (behaviour cloning: it teaches the task).
 """

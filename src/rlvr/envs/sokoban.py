@@ -22,7 +22,7 @@ another's starts in play (a 5x5 room split by level id held out 200 starts of wh
 reachable mid-game states of train levels, and 40 appeared in the warm-up's demonstrations); a
 held-out room is one no train level, and so no train episode or demonstration, was ever in.
 
-Demonstration policies (rlvr.envs.demos): `random_action` answers one of the four moves uniformly
+Demonstration policies (rlvr.authoring.demos): `random_action` answers one of the four moves uniformly
 (a format warm-up); `scripted_action` plays the BFS solver's next move (behaviour cloning).
 """
 

@@ -37,7 +37,7 @@ Split: by answer grid (`split_key`). A 4x4 Sudoku has only 288 full grids, so a 
 held out puzzles whose answer grid was the answer of a train puzzle (all of them, measured); now a
 held-out puzzle's grid is the answer of no train puzzle, at any number of blanks.
 
-Demonstration policies (rlvr.envs.demos): `random_action` keeps the givens and fills each blank with
+Demonstration policies (rlvr.authoring.demos): `random_action` keeps the givens and fills each blank with
 a uniform random digit: the answer's shape and "keep the givens", not the logic (it solves a 6-blank
 puzzle with probability 4^-6). Filling each blank from its candidates instead (the digits no given
 in its row, column or box holds) was tried and rejected for the warm-up: most blanks of a
