@@ -9,6 +9,7 @@ that no output may see.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +28,10 @@ from rlvr.algorithms.off_policy import (
     tis_sequence,
     tis_token,
 )
-from rlvr.config import RunConfig
+from rlvr.config import RunConfig, load_config
+from rlvr.observe.tracking import read_metrics
 from rlvr.registry import ALGORITHMS
+from rlvr.train.loop import train
 
 OLD = torch.tensor([[math.log(1.5), math.log(0.5), math.log(4.0)], [0.0, math.log(1.5), 30.0]])
 BEHAVIOUR = torch.zeros(2, 3)
@@ -118,7 +121,7 @@ def test_no_output_sees_a_masked_position_or_carries_a_gradient() -> None:
         assert not out.weights_B_T.requires_grad, name
         assert out.weights_B_T[1, 2] == 0 and torch.isfinite(out.weights_B_T).all(), name
     assert build_correction("none", cap=2.0) is None
-    with pytest.raises(ValueError, match="needs objective.tis_cap"):
+    with pytest.raises(ValueError, match=r"needs objective\.tis_cap"):
         build_correction("mis_token", cap=None)
 
 
@@ -144,7 +147,7 @@ def test_gspo_with_truncated_is_weighs_per_sequence() -> None:
     close(logp.grad, [[-0.24037, -0.24037, -0.24037], [0.30619, 0.30619, 0.0]])
 
 
-def test_config_defaults_and_checks(tmp_path: object) -> None:
+def test_config_defaults_and_checks() -> None:
     async_cfg = RunConfig.model_validate({"rollout": {"async_rollouts": True}})
     assert async_cfg.objective.tis_cap == 2.0 and async_cfg.objective.off_policy_correction is None
     # Naming a capped correction brings the cap; icepop and geo_mask need none.
@@ -157,3 +160,33 @@ def test_config_defaults_and_checks(tmp_path: object) -> None:
         )
     with pytest.raises(ValidationError, match="0 < lo < hi"):
         RunConfig.model_validate({"objective": {"off_policy_bounds": [2.0, 1.0]}})
+
+
+def test_a_run_logs_staleness_and_the_masked_fraction(
+    tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The loop end to end: async at k = 2 with a masking correction logs the per-trajectory
+    staleness (0, 1, 2, 2) and the share of tokens the correction dropped."""
+    cfg = load_config(
+        tiny_config_dir / "tiny.yaml",
+        [
+            f"model.name={tiny_model_dir}",
+            f"output_dir={tmp_path / 'run'}",
+            "rollout.async_rollouts=true",
+            "rollout.max_staleness=2",
+            "objective.off_policy_correction=mis_sequence",
+            "model.bf16='off'",
+            "train.steps=4",
+            "sampling.max_new_tokens=6",
+            "eval.at_start=false",
+            "eval.at_end=false",
+            "tracking.progress=false",
+            "checkpoint.save_final=false",
+        ],
+    )
+    summary = train(cfg, config_dir=tiny_config_dir)
+    rows = [m for m in read_metrics(summary.run_dir) if "loss" in m]
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 2, 2]
+    assert rows[-1]["rollout/staleness_hist/2"] == 1.0
+    masked = [r["rollout_corr/rollout_is_masked_fraction"] for r in rows]
+    assert all(0.0 <= m <= 1.0 for m in masked) and masked[0] == 0.0  # round 1 is on-policy
