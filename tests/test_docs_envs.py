@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
+from rlvr.authoring.check import check_env
 from rlvr.config import load_config
 from rlvr.envs import get_env_family
-from rlvr.authoring.check import check_env
 from rlvr.models import tiny_tokenizer
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "envs.md"

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from rlvr.authoring.demos import demo_config, play_demos, write_rows
 from rlvr.cli import app
 from rlvr.config import TaskConfig
 from rlvr.envs.base import EnvStep, get_env_family, stable_fraction
-from rlvr.authoring.demos import demo_config, play_demos, write_rows
 from rlvr.errors import ConfigError
 from rlvr.models import tiny_tokenizer
 from rlvr.offline.data import load_rows, sft_examples

@@ -54,9 +54,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from rlvr.authoring.check import Policy, _PolicyGenerator, _Recorder
 from rlvr.config import RunConfig, _Section, load_config
 from rlvr.envs.base import Env, EnvFamily, EnvReset
-from rlvr.authoring.check import Policy, _PolicyGenerator, _Recorder
 from rlvr.envs.tool_formats import ToolFormat, from_hermes, resolve_tool_format
 from rlvr.errors import ConfigError
 from rlvr.records import Task, Trajectory

@@ -176,8 +176,8 @@ class RolloutPlan:
 
     def _canary(self) -> None:
         """After a sync to a server: score the fixed canary on both sides (rlvr.train.canary)."""
-        from rlvr.train.canary import canary_gap
         from rlvr.rollout.server import resolve_weight_sync
+        from rlvr.train.canary import canary_gap
 
         c = self.cfg.monitors.sampler_mismatch
         if (
