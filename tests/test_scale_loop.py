@@ -181,7 +181,7 @@ def test_a_failed_start_stops_the_launched_server(
     checkpoint = tmp_path / "broken" / "checkpoints" / "step-000001"
     shutil.copytree(tiny_model_dir, checkpoint / "model")
     (checkpoint / "state.json").write_text("{}")
-    with pytest.raises(RlvrError, match="has no rng.json"):
+    with pytest.raises(RlvrError, match=r"has no rng\.json"):
         train(cfg, resume=True, config_dir=tiny_config_dir)
     servers = [
         p for p in psutil.Process().children(recursive=True) if "serve" in " ".join(p.cmdline())

@@ -9,9 +9,7 @@ from typing import Any
 import torch
 
 
-def trainable_state(
-    model: Any, matmul_dtype: torch.dtype | None = None
-) -> dict[str, torch.Tensor]:
+def trainable_state(model: Any, matmul_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """{parameter name: a detached CPU copy} of every parameter that trains (requires_grad).
 
     `matmul_dtype` (bf16 for a receiver that samples from a bf16 weight copy): the weights of linear
