@@ -364,3 +364,48 @@ def test_launch_command_and_a_server_that_dies() -> None:
     dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     with pytest.raises(ServerError, match="exited with code 3"):
         wait_for_server("http://127.0.0.1:9/v1", 30, process=dead)
+
+
+def test_vllm_launch_flags_from_the_config() -> None:
+    """generator.vllm becomes vllm serve's flags (launch_args after them win); a server on the
+    trainer's GPU takes 0.3 of it by default, one on GPUs of its own vLLM's default share."""
+    from rlvr.config import VllmLaunch
+
+    shared = GeneratorConfig(backend="server", launch="vllm")
+    argv, env = launch_command(shared, "m", 8123)
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.3"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "1"
+    assert "--max-model-len" not in argv and "CUDA_VISIBLE_DEVICES" not in env
+    own = shared.model_copy(
+        update={
+            "vllm": VllmLaunch(devices="6,7", tensor_parallel_size=2, max_model_len=4096),
+            "launch_args": ["--gpu-memory-utilization", "0.8"],
+        }
+    )
+    argv, env = launch_command(own, "m", 8123)
+    assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert argv[argv.index("--max-model-len") + 1] == "4096"
+    assert argv.count("--gpu-memory-utilization") == 1 and argv[-1] == "0.8"  # the user's
+
+
+def test_the_mismatch_threshold_follows_the_vllm_dtype() -> None:
+    from rlvr.config import load_config
+    from rlvr.observe.mismatch import mismatch_setup
+
+    def precision(*sets: str) -> str:
+        cfg = load_config(
+            None,
+            ["model.bf16=off", "generator.backend=server", "generator.launch=vllm", *sets],
+        )
+        setup = mismatch_setup(cfg)
+        assert setup is not None
+        return setup.precision
+
+    assert precision() == "bf16"
+    assert precision("generator.vllm.dtype=float32") == "fp32"
+    assert (
+        precision("generator.vllm.dtype=float32", "generator.launch_args=['--dtype','bfloat16']")
+        == "bf16"
+    )

@@ -223,6 +223,37 @@ class RolloutConfig(_Section):
         return {"mode": data} if isinstance(data, str) else data
 
 
+class VllmLaunch(_Section):
+    """How rlvr starts `vllm serve` (`generator.launch: vllm`): flags from here, then launch_args.
+    One server per job: under torchrun rank 0 launches it and every rank sends it prompts."""
+
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = Field(
+        "bfloat16",
+        description="--dtype. bfloat16 (what RL trainers sync and sample in); auto = vLLM's rule, "
+        "which serves an fp32 checkpoint (rlvr's syncs are fp32) in float16. The sampler-mismatch "
+        "threshold follows it.",
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="--gpu-memory-utilization: the share of its GPU vLLM takes (weights + KV cache). "
+        "None = 0.3 when the server shares the trainer's GPU (devices unset), leaving the trainer "
+        "the rest; vLLM's own 0.9 on GPUs of its own (devices set).",
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        description="--max-model-len (None: the model's; a shorter one saves KV cache).",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="--tensor-parallel-size.")
+    devices: str | None = Field(
+        None,
+        description="CUDA_VISIBLE_DEVICES for the server, e.g. '7' or '6,7' (GPUs the trainer's "
+        "ranks do not use); None = the launching process's visible GPUs (it shares GPU 0).",
+    )
+
+
 class GeneratorConfig(_Section):
     """Where rollouts are sampled. `hf`: transformers in this process. `server`: an OpenAI-compatible
     server returning token ids and log-probs (vLLM's `vllm serve`, or `rlvr serve` speaking the same
@@ -236,6 +267,7 @@ class GeneratorConfig(_Section):
     launch: Literal["vllm", "rlvr"] | None = Field(
         None, description="Start the server as a subprocess: `vllm serve` or `rlvr serve`."
     )
+    vllm: VllmLaunch = Field(default_factory=VllmLaunch)
     launch_args: list[str] = Field(
         default_factory=list, description="Extra command-line arguments for the launched server."
     )

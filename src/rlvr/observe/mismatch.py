@@ -71,7 +71,8 @@ def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
     # The server's own dtype, as launched: a threshold for bf16 would hide an fp32 server's real
     # defects (a stale tied head after a sync: ~3e-3 per token, under 0.03, 400x fp32 noise).
     fp32_dtypes = ("float32", "float")  # vLLM's names for fp32
-    vllm_fp32 = g.launch == "vllm" and launch_dtype(g.launch_args) in fp32_dtypes
+    served_dtype = launch_dtype(g.launch_args) or g.vllm.dtype  # launch_args win, as in argv
+    vllm_fp32 = g.launch == "vllm" and served_dtype in fp32_dtypes
     vllm_fp32 = vllm_fp32 and g.backend == "server"
     # In process the sampler never autocasts (rlvr.build); a bf16 copy is asked below.
     sampler_bf16 = g.backend == "server" and not (rlvr_server or vllm_fp32)
@@ -85,7 +86,8 @@ def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
     elif sampler_bf16:
         precision = "bf16"
         why = (
-            "a server other than rlvr serve, unless launched with --dtype float32, is assumed bf16"
+            "a server other than rlvr serve, unless launched with --dtype float32 "
+            "(generator.vllm.dtype), is assumed bf16"
         )
     else:
         precision, why = "fp32", "sampler and trainer both fp32"

@@ -113,6 +113,7 @@ class ServerGenerator:
         self.sync_dir = Path(sync_dir) if sync_dir is not None else None
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.process = process
+        self.api_key = api_key  # torchrun: rank 0 hands it to the other ranks (same server)
         # No proxies from the environment: the server is named explicitly, usually on loopback.
         self.client = httpx.Client(
             timeout=request_timeout_s,
@@ -253,8 +254,12 @@ class ServerGenerator:
             raise ServerError(f"{url}: could not read the served model's name ({err})") from None
 
     # --------------------------------------------------------------------------------- weight sync
-    def sync_weights(self, policy: Policy, step: int) -> None:
-        """Make the server sample from `policy`'s current weights (see the module docstring)."""
+    def sync_weights(
+        self, policy: Policy, step: int, full_state: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Make the server sample from `policy`'s current weights (see the module docstring).
+        `full_state`: the policy's unsharded state dict, gathered by the caller when the policy's
+        own tensors are shards (fsdp): written in place of them."""
         mode = resolve_weight_sync(self.weight_sync, policy)
         if mode == "none":
             return
@@ -265,7 +270,10 @@ class ServerGenerator:
             if not policy.lora:
                 raise ConfigError("generator.weight_sync lora needs a LoRA policy (model.lora)")
             name = f"rlvr-{self.run_id}-step-{step}"
-            folder = write_folder(self.sync_dir / f"step-{step}", policy.model.save_pretrained)
+            folder = write_folder(
+                self.sync_dir / f"step-{step}",
+                lambda d: policy.model.save_pretrained(d, state_dict=full_state),
+            )
             self._post(
                 "/v1/load_lora_adapter",
                 {
@@ -280,7 +288,7 @@ class ServerGenerator:
                 self._post("/v1/unload_lora_adapter", {"lora_name": previous[0]})
         else:
             folder = write_folder(
-                self.sync_dir / f"full-step-{step}", lambda d: save_full(policy, d)
+                self.sync_dir / f"full-step-{step}", lambda d: save_full(policy, d, full_state)
             )
             self._post(
                 "/collective_rpc",
@@ -361,14 +369,23 @@ def write_folder(target: Path, write: Callable[[str], Any]) -> Path:
 
 
 @torch.no_grad()
-def save_full(policy: Policy, folder: str) -> None:
+def save_full(
+    policy: Policy, folder: str, full_state: dict[str, torch.Tensor] | None = None
+) -> None:
     """save_pretrained of the policy's full weights: a plain model as is, a LoRA policy merged
-    (W + scale * B @ A per adapted layer) without touching its own weights."""
+    (W + scale * B @ A per adapted layer) without touching its own weights. `full_state`: the
+    unsharded state dict (fsdp), saved in place of the model's own tensors."""
     model = policy.model
     if not policy.lora:
-        model.save_pretrained(folder)
-        write_tied_head(model, folder)
+        model.save_pretrained(folder, state_dict=full_state)
+        head = None if full_state is None else full_state.get(tied_head_name(model) or "")
+        write_tied_head(model, folder, head)
         return
+    if full_state is not None:
+        raise ConfigError(
+            "generator.weight_sync full with a LoRA policy under fsdp is not supported: use "
+            "weight_sync lora (the adapter alone is synced)"
+        )
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     base = model.get_base_model()
@@ -399,11 +416,12 @@ def tied_head_name(model: Any) -> str | None:
     return next(f"{n}.weight" for n, m in model.named_modules() if m is head)
 
 
-def write_tied_head(model: Any, folder: str | Path) -> None:
+def write_tied_head(model: Any, folder: str | Path, head: torch.Tensor | None = None) -> None:
     """Add a tied output head to a save_pretrained folder, which leaves it out (the loader reties
     it). vLLM's in-place reload_weights does not retie, so a server running the model untied
     (`--hf-overrides {"tie_word_embeddings": false}`) needs the head in every sync folder. Written
-    as its own file, `lm_head.safetensors`, and entered in the shard index when there is one."""
+    as its own file, `lm_head.safetensors`, and entered in the shard index when there is one.
+    `head`: the unsharded head weight when the model's own is a shard (fsdp)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -415,7 +433,9 @@ def write_tied_head(model: Any, folder: str | Path) -> None:
         with safe_open(str(file), framework="pt") as handle:
             if name in list(handle.keys()):  # a safetensors handle has no __contains__
                 return
-    head = model.get_output_embeddings().weight.detach().cpu().contiguous().clone()
+    if head is None:
+        head = model.get_output_embeddings().weight
+    head = head.detach().cpu().contiguous().clone()
     save_file({name: head}, str(folder / "lm_head.safetensors"), metadata={"format": "pt"})
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -450,6 +470,9 @@ def launch_command(
     # Tempered log-probs (the trainer's); token ids in logprobs for servers without return_token_ids.
     argv += ["--logprobs-mode", "processed_logprobs", "--return-tokens-as-token-ids"]
     env: dict[str, str] = {"VLLM_API_KEY": api_key} if api_key else {}
+    argv += vllm_flags(cfg)
+    if cfg.vllm.devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cfg.vllm.devices
     if weight_sync == "lora":
         rank = next((r for r in VLLM_LORA_RANKS if r >= (lora_rank or 16)), VLLM_LORA_RANKS[-1])
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
@@ -459,6 +482,19 @@ def launch_command(
         if tied_head:  # its own head tensor, which reload_weights then fills from lm_head.weight
             argv += ["--hf-overrides", json.dumps({"tie_word_embeddings": False})]
     return [*argv, *cfg.launch_args], env
+
+
+def vllm_flags(cfg: GeneratorConfig) -> list[str]:
+    """`generator.vllm` as `vllm serve` flags (generator.launch_args come after them and win)."""
+    v = cfg.vllm
+    # A server on the trainer's GPU takes a share that leaves the trainer most of it.
+    share = v.gpu_memory_utilization or (0.3 if v.devices is None else None)
+    flags = ["--dtype", v.dtype, "--tensor-parallel-size", str(v.tensor_parallel_size)]
+    if share is not None:
+        flags += ["--gpu-memory-utilization", f"{share:g}"]
+    if v.max_model_len is not None:
+        flags += ["--max-model-len", str(v.max_model_len)]
+    return flags
 
 
 def launch_server(

@@ -25,13 +25,25 @@ def canary_prompt(tokenizer: Any) -> list[int]:
     return [int(t) for t in tokenizer(CANARY_TEXT)["input_ids"]][:32]
 
 
+def sample_canary(generator: Any, tokenizer: Any) -> list[Any]:
+    """The server's samples of the canary prompt (fixed seed, temperature 1)."""
+    return list(
+        generator.canary(canary_prompt(tokenizer), n=CANARY_SAMPLES, max_tokens=CANARY_TOKENS)
+    )
+
+
 @torch.no_grad()
-def canary_gap(generator: Any, policy: Any, *, bf16: bool) -> float:
+def canary_gap(
+    generator: Any, policy: Any, *, bf16: bool, completions: Sequence[Any] | None = None
+) -> float:
     """Mean |server - trainer| log-prob over the canary's sampled tokens. `generator` is a
     ServerGenerator (its `canary` samples the prompt at temperature 1 with a fixed seed); the trainer
-    scores the same tokens with the update's forward (bf16 autocast as the update uses it)."""
+    scores the same tokens with the update's forward (bf16 autocast as the update uses it).
+    `completions`: the canary's samples already drawn (`sample_canary`; under torchrun rank 0 draws
+    them and every rank scores them, since an fsdp forward is a collective)."""
     prompt = canary_prompt(policy.tokenizer)
-    completions = generator.canary(prompt, n=CANARY_SAMPLES, max_tokens=CANARY_TOKENS)
+    if completions is None:
+        completions = sample_canary(generator, policy.tokenizer)
     rows = [
         Trajectory(
             task_id="canary",

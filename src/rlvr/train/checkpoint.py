@@ -67,20 +67,22 @@ def save_checkpoint(
     save_extra: Callable[[Path], None] | None = None,
     dist: DistContext | None = None,
     sharded_model: Any = None,
+    model_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write step's checkpoint atomically; `save_extra(dir)` adds more state (ppo's critic).
 
     Single process: everything here. Under torchrun (`dist`) every rank calls it: rank 0 writes the
     weights (`model`, gathered by the caller under fsdp) and the run state, each rank its RNGs, and
     under fsdp (`sharded_model`: the sharded policy the optimizer holds) every rank its optimizer
-    shard; rank 0 renames the directory into place once all have written."""
+    shard; rank 0 renames the directory into place once all have written. `model_state`: the
+    weights to write when `model`'s own are shards (gathered by the caller on every rank)."""
     final = run_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     main = dist is None or dist.is_main
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        model.save_pretrained(tmp / "model")
+        model.save_pretrained(tmp / "model", state_dict=model_state)
         tokenizer.save_pretrained(tmp / "model")
         if sharded_model is None:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")

@@ -289,10 +289,13 @@ def train(
 
         def save(step: int) -> None:
             plan.before_save()  # async: producer idle; fsdp: full weights gathered (collective)
+            # fsdp without a sampling copy (a server samples): gather the weights here (collective)
+            gather = dist is not None and dist.fsdp and plan.copy_model is None
             save_checkpoint(  # every rank: its RNGs (and under fsdp its optimizer shard)
                 run_dir,
                 step,
                 model=plan.copy_model if plan.copy_model is not None else policy.model,
+                model_state=dist.full_state_dict(policy.model) if gather else None,
                 tokenizer=tokenizer,
                 optimizer=optimizer,
                 scheduler=scheduler,

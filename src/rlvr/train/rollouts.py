@@ -79,16 +79,7 @@ class RolloutPlan:
         self.canary_gaps: list[float] = []  # since the last metrics(): sync/canary_logprob_abs_diff
         seed = cfg.train.seed + (1000 * dist.rank if dist is not None else 0)
         if cfg.generator.backend == "server":
-            from rlvr.rollout.server import build_server_generator
-
-            self.generator: Any = build_server_generator(
-                policy, cfg, run_dir or Path(cfg.output_dir)
-            )
-            try:
-                self._canary()  # the initial sync (step 0) is checked too
-            except BaseException:
-                self.generator.close()  # stops a launched server: nothing else will
-                raise
+            self.generator: Any = self._server_generator(run_dir or Path(cfg.output_dir), seed)
         elif dist is not None and dist.strategy == "fsdp":
             # Sharded weights cannot sample (every forward would be a collective in lock-step across
             # ranks of unequal decode lengths): generate from a full copy refreshed after each update.
@@ -174,10 +165,66 @@ class RolloutPlan:
             self.canary_gaps.clear()
         return out
 
+    def _server_generator(self, run_dir: Path, seed: int) -> Any:
+        """The generation server: launched (or found at generator.url) and synced to step 0 by this
+        process, or under torchrun by rank 0 alone, whose URL, key and served name the other ranks
+        take: one server per job, each rank sending it its share of the prompts (with request seeds
+        of its own)."""
+        from rlvr.rollout.server import ServerGenerator, build_server_generator, resolve_weight_sync
+
+        dist, cfg = self.dist, self.cfg
+        generator: Any = None
+        if dist is None or dist.is_main:
+            generator = build_server_generator(self.policy, cfg, run_dir, seed=seed)
+        if dist is not None:
+            where = None
+            if dist.is_main:
+                where = (generator.root, generator.api_key, generator.base_model, generator.model)
+            root, api_key, base_model, model = dist.broadcast_object(where)
+            if not dist.is_main:
+                generator = ServerGenerator(
+                    root + "/v1",
+                    base_model,
+                    seed=seed,
+                    max_concurrency=cfg.generator.max_concurrency,
+                    request_timeout_s=cfg.generator.request_timeout_s,
+                    weight_sync=resolve_weight_sync(cfg.generator.weight_sync, self.policy),
+                    stop_token_ids=sorted(eos_token_ids(self._base_model(), self.policy.tokenizer)),
+                    api_key=api_key,
+                )
+                generator.model = model
+        self.generator = generator
+        try:
+            self._canary()  # the initial sync (step 0) is checked too
+        except BaseException:
+            generator.close()  # stops a launched server: nothing else will
+            raise
+        return generator
+
+    def _base_model(self) -> Any:
+        model = self.policy.model
+        return model.get_base_model() if self.policy.lora else model
+
+    def _sync_server(self, step: int) -> None:
+        """The server samples from the updated weights: one sync per job (rank 0's; under fsdp from
+        the weights gathered on every rank, a collective), then every rank uses the served name it
+        announces (a LoRA adapter's changes with each sync)."""
+        dist = self.dist
+        if dist is None:
+            self.generator.sync_weights(self.policy, step)
+        else:
+            full = dist.full_state_dict(self.policy.model) if dist.fsdp else None
+            if dist.is_main:
+                self.generator.sync_weights(self.policy, step, full_state=full)
+            del full
+            self.generator.model = dist.broadcast_object(self.generator.model)
+        self._canary()
+
     def _canary(self) -> None:
-        """After a sync to a server: score the fixed canary on both sides (rlvr.train.canary)."""
+        """After a sync to a server: score the fixed canary on both sides (rlvr.train.canary).
+        Under torchrun rank 0 samples it and every rank scores it (an fsdp forward is collective)."""
         from rlvr.rollout.server import resolve_weight_sync
-        from rlvr.train.canary import canary_gap
+        from rlvr.train.canary import canary_gap, sample_canary
 
         c = self.cfg.monitors.sampler_mismatch
         if (
@@ -185,7 +232,13 @@ class RolloutPlan:
             or resolve_weight_sync(self.cfg.generator.weight_sync, self.policy) == "none"
         ):
             return
-        gap = canary_gap(self.generator, self.policy, bf16=use_bf16(self.cfg.model))
+        dist, completions = self.dist, None
+        if dist is not None:
+            drawn = sample_canary(self.generator, self.policy.tokenizer) if dist.is_main else None
+            completions = dist.broadcast_object(drawn)
+        gap = canary_gap(
+            self.generator, self.policy, bf16=use_bf16(self.cfg.model), completions=completions
+        )
         if not math.isnan(gap):  # NaN: every canary sample was empty
             self.canary_gaps.append(gap)
 
@@ -201,8 +254,7 @@ class RolloutPlan:
     def after_update(self, step: int) -> None:
         """Send the updated weights to whatever samples."""
         if self.cfg.generator.backend == "server":
-            self.generator.sync_weights(self.policy, step)
-            self._canary()
+            self._sync_server(step)
         if self.ray is not None:
             self.ray.sync_weights(self.policy)
         if self.async_ is not None:
@@ -262,8 +314,7 @@ class RolloutPlan:
     def after_resume(self, step: int) -> None:
         """The samplers start from the checkpoint's (step's) weights, not the base model's."""
         if self.cfg.generator.backend == "server":
-            self.generator.sync_weights(self.policy, step)
-            self._canary()
+            self._sync_server(step)
         if self.ray is not None:
             self.ray.sync_weights(self.policy)
         if self.async_ is not None:  # the copy was taken before the checkpoint was loaded
