@@ -145,7 +145,10 @@ def test_one_row_end_to_end_on_the_tiny_model(efficacy: ModuleType, tmp_path: Pa
     table = out.read_text()
     assert "| arithmetic, 2-digit addition (the demo) | >= 80% in <= 10 min | pass@1 | 6 |" in table
     assert "--set model.name=tiny-random" in table  # the command that produced the row
-    assert "| calculator, 1 operation | >= 90%, tool used in >= 95% | pass@1 | not measured yet |" in table
+    assert (
+        "| calculator, 1 operation | >= 90%, tool used in >= 95% | pass@1 | not measured yet |"
+        in table
+    )
 
 
 @pytest.mark.slow
