@@ -224,7 +224,7 @@ class RankPlan:
 def use_fused_logprobs(cfg: RunConfig) -> bool:
     """`train.fused_logprobs`, with auto = LoRA runs in either precision, and every run on a GPU,
     where the (rows, length, vocab) fp32 logits are the update's largest activation (8 x 1024 x 152k
-    ids = 5 GB) and memory, not the CPU's page faults, is what binds (see config.py)."""
+    ids = 5 GB) and memory, not the CPU's page faults, is what binds (see rlvr/config/training.py)."""
     setting = cfg.train.fused_logprobs
     if setting != "auto":
         return bool(setting)
