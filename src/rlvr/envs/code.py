@@ -44,6 +44,7 @@ from rlvr.envs.base import (
     stable_fraction,
 )
 from rlvr.envs.humaneval import humaneval_specs
+from rlvr.errors import ConfigError
 from rlvr.records import Task
 from rlvr.sandbox import SandboxLimits, SuiteResult, TestCase, run_tests
 
@@ -103,7 +104,8 @@ def make_task(spec: Mapping[str, Any], wall_seconds: float = 5.0) -> Task:
         "tests": visible,
         "hidden_tests": hidden,
         "wall_seconds": wall_seconds,
-        "solution": spec["solution"],
+        # Optional: a task set of the user's may come without reference solutions (no solver then).
+        "solution": spec.get("solution"),
     }
     return Task(id=f"code:{spec['name']}", messages=messages, fields=fields)
 
@@ -172,7 +174,13 @@ class CodeFamily(EnvFamily):
 
     def scripted_action(self, task: Task, messages: list[Message]) -> str:
         """The task's reference solution, the same answer every turn."""
-        return f"```python\n{task.fields['solution']}```"
+        solution = task.fields.get("solution")
+        if solution is None:
+            raise ConfigError(
+                f"code task {task.id!r} has no reference solution: the scripted solver needs one "
+                "(a 'solution' field in its spec)"
+            )
+        return f"```python\n{solution}```"
 
 
 def _cases(tests: list[Mapping[str, Any]], hidden: bool) -> list[TestCase]:
