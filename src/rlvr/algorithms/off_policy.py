@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from rlvr.algorithms.losses import gspo_loss
+from rlvr.algorithms.losses import gspo_loss, truncated_importance_weights
 
 LOG_RATIO_BOUND = 20.0  # exp(20) = 4.9e8: verl's safety bound on a (sequence) log-ratio
 ICEPOP_BOUNDS = (0.5, 5.0)  # IcePop's [alpha, beta] (Ling team 2025, "Small leak can sink a ship")
@@ -89,11 +89,13 @@ def _sequence_log_ratio(log_ratio_B_T: torch.Tensor, mean: bool, on: torch.Tenso
 def tis_token(
     old_B_T: torch.Tensor, behaviour_B_T: torch.Tensor, mask_B_T: torch.Tensor, cap: float
 ) -> OffPolicyWeights:
-    """Truncated IS per token: w_t = min(rho_t, cap) (Yao et al. 2025). Equal, bit for bit, to
-    `rlvr.algorithms.truncated_importance_weights`, the update's correction before this menu."""
+    """Truncated IS per token: w_t = min(rho_t, cap) (Yao et al. 2025), computed by
+    `rlvr.algorithms.losses.truncated_importance_weights`, the update's correction before this menu."""
     on = mask_B_T != 0
-    ratio_B_T = torch.exp(_log_ratio(old_B_T, behaviour_B_T, on))
-    return _finish(ratio_B_T.clamp(max=cap), ratio_B_T >= cap, torch.zeros_like(on), on)
+    weights_B_T = truncated_importance_weights(
+        torch.where(on, old_B_T, 0.0), torch.where(on, behaviour_B_T, 0.0), cap
+    )
+    return _finish(weights_B_T, weights_B_T >= cap, torch.zeros_like(on), on)
 
 
 @torch.no_grad()

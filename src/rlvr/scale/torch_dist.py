@@ -171,20 +171,26 @@ class DistContext:
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
 
-    def full_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, model: Any, keep: bool = True) -> dict[str, torch.Tensor]:
         """{name: unsharded tensor} as `model.state_dict()` names them, on the CPU. Under fsdp this is a
-        collective (every rank must call it; each gets the full weights). On the CPU the tensors under
-        ddp are the live weights, not copies: copy them to keep a snapshot across optimizer steps."""
+        collective (every rank must call it); a rank that passes `keep=False` takes part and keeps
+        nothing (returns {}), so only the ranks that use the weights hold a host copy of them. On the
+        CPU the tensors under ddp are the live weights, not copies: copy them to keep a snapshot
+        across optimizer steps."""
         from torch.distributed.tensor import DTensor
 
-        done: dict[int, torch.Tensor] = {}  # tied weights appear under two names: gather them once
+        # Tied weights appear under two names: gathered once, on every rank alike (the same
+        # sequence of collectives whether or not this rank keeps them).
+        done: dict[int, torch.Tensor | None] = {}
         out: dict[str, torch.Tensor] = {}
         for name, tensor in model.state_dict().items():
             key = id(tensor)
             if key not in done:
                 full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                done[key] = full.detach().to("cpu")
-            out[name] = done[key]
+                done[key] = full.detach().to("cpu") if keep else None
+            kept = done[key]
+            if kept is not None:
+                out[name] = kept
         return out
 
     # ------------------------------------------------------------------------------ the update

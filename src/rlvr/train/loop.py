@@ -295,7 +295,7 @@ def train(
                 run_dir,
                 step,
                 model=plan.copy_model if plan.copy_model is not None else policy.model,
-                model_state=dist.full_state_dict(policy.model) if gather else None,
+                model_state=dist.full_state_dict(policy.model, keep=is_main) if gather else None,
                 tokenizer=tokenizer,
                 optimizer=optimizer,
                 scheduler=scheduler,

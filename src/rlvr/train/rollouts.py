@@ -213,7 +213,8 @@ class RolloutPlan:
         if dist is None:
             self.generator.sync_weights(self.policy, step)
         else:
-            full = dist.full_state_dict(self.policy.model) if dist.fsdp else None
+            # Only rank 0 writes the sync folder: the others take part in the gather, keep nothing.
+            full = dist.full_state_dict(self.policy.model, keep=dist.is_main) if dist.fsdp else None
             if dist.is_main:
                 self.generator.sync_weights(self.policy, step, full_state=full)
             del full
