@@ -46,8 +46,9 @@ from rlvr.observe import monitors as mon
 from rlvr.observe.metrics import rollout_metrics
 from rlvr.optim import adamw
 from rlvr.records import Group, Span, Task, Trajectory
+from rlvr.train.micro_batching import prompt_order
 from rlvr.train.selection import assign_credit, collect_groups
-from rlvr.train.update import policy_update, prompt_order
+from rlvr.train.update import policy_update
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -62,11 +62,12 @@ def test_the_loop_applies_it_only_when_the_config_says(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import rlvr.train.loop as loop
+    import rlvr.train.run_setup as run_setup
     from rlvr.config import load_config
+    from rlvr.train.loop import train
 
     calls: list[bool] = []
-    monkeypatch.setattr(loop, "keep_freed_memory", lambda: calls.append(True) or True)
+    monkeypatch.setattr(run_setup, "keep_freed_memory", lambda: calls.append(True) or True)
     cfg = load_config(
         tiny_config_dir / "tiny.yaml",
         [
@@ -81,5 +82,5 @@ def test_the_loop_applies_it_only_when_the_config_says(
             "model.bf16=off",
         ],
     )
-    loop.train(cfg, config_dir=tiny_config_dir)
+    train(cfg, config_dir=tiny_config_dir)
     assert calls == ([True] if keep else [])

@@ -12,8 +12,8 @@ import torch
 from rlvr.models import load_policy
 from rlvr.records import Trajectory
 from rlvr.train.batch import collate, token_logprobs
+from rlvr.train.micro_batching import micro_batches
 from rlvr.train.packing import pack_rows, packing_is_exact, packing_wanted
-from rlvr.train.update import micro_batches
 
 PAD = 0
 

@@ -18,7 +18,7 @@ from rlvr.config import load_config
 from rlvr.errors import ConfigError
 from rlvr.records import Trajectory
 from rlvr.train.loop import train
-from rlvr.train.update import micro_batches
+from rlvr.train.micro_batching import micro_batches
 
 
 def tiny_cfg(config_dir: Path, model_dir: Path, out: Path, *overrides: str) -> Any:

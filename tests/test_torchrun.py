@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlvr.scale.torch_dist import DistContext, contiguous_cuts
-from rlvr.train.update import micro_batches, shard_rows
+from rlvr.train.micro_batching import micro_batches, shard_rows
 
 HELPER = Path(__file__).with_name("torchrun_update_check.py")
 sys.path.insert(0, str(HELPER.parent))

@@ -1,7 +1,9 @@
 """The RL step, top to bottom: tasks -> rollouts -> scores -> advantages -> update -> metrics -> checkpoint.
 
-Over the 500-line guide by a few lines: the RL step is kept readable top to bottom in one file;
-issue 37 shortens `train()`.
+`train()` reads as the run in order, each stage a named function: the set-up stages
+(rlvr.train.run_setup: load_run, build_trainer, restore, open_reporting), then per step `rl_step`
+(rollouts, credit, update), `record_step` (eval, monitors, tracker) and `end_step` (checkpoint,
+stop, time limit), then `finish`. The stages pass one `Run` (rlvr.train.run_setup.Run).
 
 Objective (GRPO, Shao et al. 2024, and its family; one `algorithm:` key picks the advantage
 estimator and the policy loss from the registries in rlvr.algorithms, docs/algorithms.md lists them):
@@ -34,26 +36,18 @@ rlvr.train.rollouts.RolloutPlan; the step is the same in every case (docs/scalin
 
 from __future__ import annotations
 
-import os
-import random
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-import yaml
 from rich.markup import escape
 
-from rlvr.allocator import keep_freed_memory
-from rlvr.build import build_optimizer, build_policy, rollout_limits, use_bf16
-from rlvr.config import RunConfig, config_to_dict, load_config
-from rlvr.devices import device_of, enable_tf32, resolve_device
-from rlvr.evaluate import check_error_fraction, check_eval_errors, evaluate_sources
-from rlvr.models import Policy, load_policy
+from rlvr.config import RunConfig, load_config
+from rlvr.evaluate import check_error_fraction, check_eval_errors
+from rlvr.models import Policy
 from rlvr.observe.inspect import trajectory_rows, write_step_trajectories
 from rlvr.observe.metrics import (
     agent_metrics,
@@ -62,56 +56,34 @@ from rlvr.observe.metrics import (
     source_metrics,
     verifiability_metrics,
 )
-from rlvr.observe.mismatch import mismatch_rule
 from rlvr.observe.monitors import Alert, Monitors, apply_changes, mitigation
 from rlvr.observe.progress import Progress
-from rlvr.observe.trackers import require_trackers
-from rlvr.observe.tracking import NullTracker, Tracker, read_metrics
-from rlvr.observe.watchdog import Watchdog, watch
-from rlvr.plan import check_fits
-from rlvr.records import flatten
-from rlvr.registry import ALGORITHMS
-from rlvr.rollout.generator import SamplingParams
+from rlvr.observe.tracking import Tracker
+from rlvr.observe.watchdog import watch
+from rlvr.records import Group, Trajectory, flatten
 from rlvr.tasks import TaskSplits
-from rlvr.train import precision_choice
-from rlvr.train.checkpoint import (
-    latest_checkpoint,
-    load_training_state,
-    load_weights_into,
-    save_checkpoint,
+from rlvr.train.run_setup import (
+    Run,
+    RunSummary,
+    build_trainer,
+    ensure_reference,
+    load_run,
+    open_reporting,
+    restore,
+    run_eval,
+    save,
+    seed_everything,
 )
-from rlvr.train.companions import RunCritic, build_teacher
-from rlvr.train.curriculum import Curriculum
-from rlvr.train.placement import startup_lines
-from rlvr.train.rollouts import RolloutPlan, torch_dist_context
-from rlvr.train.run_dir import StopSignals, check_run_dir, eval_history, open_run_dir
 from rlvr.train.selection import assign_credit, collect_groups
-from rlvr.train.sources import Sources, absolutize_reward_files
+from rlvr.train.sources import absolutize_reward_files
 from rlvr.train.update import policy_update, reference_logprobs
 
+__all__ = ["RunSummary", "StepHook", "seed_everything", "train", "train_from_file"]
 
-@dataclass
-class RunSummary:
-    run_dir: Path
-    steps_done: int
-    eval_history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
-    wall_seconds: float = 0.0
-    # Why the run ended before train.steps: a monitor whose action is `stop` fired (None: it did not).
-    stopped_early: str | None = None
-    # The run ended at train.time_limit_minutes rather than at train.steps.
-    time_limited: bool = False
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-# ---------------------------------------------------------------------------------------------- the run
 StepHook = Callable[[int, dict[str, Any]], None]
 
 
+# ---------------------------------------------------------------------------------------------- the run
 def train(
     cfg: RunConfig,
     *,
@@ -131,346 +103,224 @@ def train(
     """
     started = time.time()
     cfg = absolutize_reward_files(cfg, config_dir)
-    run_dir = Path(cfg.output_dir)
-    # Before anything slow loads. Under torchrun rank 0 alone judges: the others may start after it
-    # made the directory.
-    main_rank = os.environ.get("RANK", "0") == "0"
-    check_run_dir(run_dir, resume=resume, overwrite=overwrite, main=main_rank)
-    if main_rank:
-        require_trackers(cfg.tracking.trackers)  # a missing tracker library, before the model loads
-    seed_everything(cfg.train.seed)
-    if cfg.train.keep_freed_memory and resolve_device(cfg.model.device).type == "cpu":
-        keep_freed_memory()  # for the rest of the process (rlvr.allocator): a CPU tuning
-
-    # Under torchrun: this process is one rank; rank 0 alone writes metrics and checkpoints.
-    dist = torch_dist_context(cfg)
-    sources = Sources(cfg, config_dir, tasks)
-    curriculum = Curriculum(cfg, sources, tasks)  # levels / scheduled weights (train/curriculum.py)
-    # Before any weights load: a run that cannot fit on its GPU is refused with the smallest change
-    # that fits (rlvr plan), not an out-of-memory error an hour in; on the CPU it only warns.
-    check_fits(cfg, resolve_device(cfg.model.device))
-    policy = build_policy(cfg)
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    if checkpoint is not None:
-        # Into the unsharded model, before anything copies it (the fsdp sampling copy, an async
-        # producer's) or torchrun broadcasts and shards it (DistContext.prepare_policy).
-        load_weights_into(policy.model, checkpoint, policy.lora)
-    device = device_of(policy.model)
-    enable_tf32(device)  # the fp32 matmuls left on a GPU (a no-op on the CPU)
-    # `model.bf16: auto`: the update's precision measured on this host (train/precision_choice.py)
-    precision = precision_choice.PrecisionChoice(
-        use_bf16(cfg.model), f"model.bf16: {cfg.model.bf16}"
-    )
-    if cfg.model.bf16 == "auto":
-        precision = precision_choice.resolve(
-            policy.model, cfg.model.name, distributed=dist is not None
-        )
-    # Made only now: a config, task or model that fails to load leaves no half-made run directory.
-    open_run_dir(run_dir, overwrite=overwrite, main=dist is None or dist.is_main)
-    # The effective config (a resume may change fields with --set), so `rlvr eval RUN_DIR` sees it.
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    tokenizer = policy.tokenizer
-    group_size = cfg.sampling.group_size
-    sampling = SamplingParams(
-        n=group_size,
-        temperature=cfg.sampling.temperature,
-        top_p=cfg.sampling.top_p,
-        max_new_tokens=cfg.sampling.max_new_tokens,
-        stop=tuple(cfg.sampling.stop),
-    )
-    limits = rollout_limits(cfg)
-    # Where episodes are played (in process, a server, the user's agent, Ray, a background thread)
-    plan = RolloutPlan(
-        cfg, policy, sources, sampling, limits,
-        config_dir=config_dir, tasks=tasks, dist=dist, run_dir=run_dir,
-    )  # fmt: skip
-    # Everything that runs beside the loop (a server, Ray actors, threads) is closed however it ends.
-    closers: list[Callable[[], None]] = [plan.close]
-    plan.store_frozen_base_bf16()  # LoRA, bf16 update, bf16 sampling copy: the base in bf16
+    run = Run(cfg, Path(cfg.output_dir), resume, config_dir, tasks, closers=[])
     try:
-        # A phase past its deadline ends the process with every stack on disk (observe/watchdog.py).
-        watchdog = Watchdog.from_config(
-            cfg.watchdog,
-            run_dir,
-            rank=dist.rank if dist else 0,
-            write_event=not dist or dist.is_main,
-            # Raises while there is none; the watchdog then says there is no checkpoint yet.
-            last_checkpoint=lambda: latest_checkpoint(run_dir),
-        )
-        watchdog.on_hang.append(plan.abandon)  # a launched server would outlive os._exit
-        closers.append(watchdog.close)
-        watchdog.start()
-        generator = plan.generator
-        if dist is not None:
-            # ddp: identical start on every rank; fsdp: shard (bf16 gathers for a bf16 update)
-            dist.prepare_policy(policy, bf16=precision.bf16)
-        optimizer, scheduler = build_optimizer(policy, cfg)
-        is_main = dist is None or dist.is_main
-        algorithm = ALGORITHMS.resolve(cfg.algorithm)
-        # ppo's value model and distill's teacher: built only for the algorithms that use them.
-        critic = (
-            RunCritic(cfg, int(tokenizer.pad_token_id), device_of(policy.model))
-            if algorithm.needs_critic
-            else None
-        )
-        teacher = build_teacher(cfg, policy) if algorithm.needs_teacher else None
-        metrics_of = {s.metric for s in sources}
-        monitors = Monitors(
-            cfg.monitors,
-            accuracy=next(iter(metrics_of)) if len(metrics_of) == 1 else None,
-            optimised=[name for name, w in sources.reward_weights.items() if w != 0],
-            extra=[mismatch_rule(cfg)],  # sampler vs trainer log-probs (observe/mismatch.py)
-        )
-
-        def run_eval(failures: list[str] | None = None) -> dict[str, float]:
-            return plan.evaluate(
-                lambda: evaluate_sources(
-                    sources,
-                    generator,
-                    tokenizer,
-                    n=cfg.eval.n,
-                    max_new_tokens=cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens,
-                    stop=tuple(cfg.sampling.stop),
-                    limits=limits,
-                    failures=failures,
-                )
-            )
-
-        start_step = 0
-        if checkpoint is not None:
-            if critic is not None:
-                critic.load(checkpoint)
-            state, generator_rng = load_training_state(
-                checkpoint,
-                optimizer,
-                scheduler,
-                rank=dist.rank if dist is not None else 0,
-                sharded_model=policy.model if dist is not None and dist.fsdp else None,
-            )
-            generator.set_state(generator_rng)
-            curriculum.load_state_dict(state.get("curriculum"))  # before the samplers
-            sources.load_state_dict(state["sampler"])
-            start_step = int(state["step"])
-            monitors.load_state_dict(state.get("monitors", {}))
-            cfg = apply_changes(cfg, monitors.changes)  # mitigations made before the checkpoint
-            ensure_reference(policy, cfg)
-            plan.after_resume(start_step)
-
-        tracker = (Tracker if is_main else NullTracker)(
-            run_dir,
-            report_to=cfg.tracking.trackers,
-            project=cfg.tracking.project,
-            run_name=cfg.tracking.run_name or run_dir.name,
-            config=config_to_dict(cfg),
-            resume_step=start_step if resume else None,
-        )
-        closers.append(tracker.close)
-        summary = RunSummary(run_dir=run_dir, steps_done=start_step)
-        progress = Progress(
-            total=cfg.train.steps, start=start_step, enabled=cfg.tracking.progress and is_main
-        )
-        closers.append(progress.close)
-        for line in startup_lines(cfg, policy, device, generator):
-            progress.note(escape(line))
-        progress.note(escape(precision.describe()))
-        if resume and is_main:
-            progress.console.print(
-                escape(f"resuming from step {start_step} (checkpoint {checkpoint})"),
-                soft_wrap=True,  # a path to copy, never broken across lines
-            )
-        if resume and tracker.metrics_path.exists():
-            history = read_metrics(run_dir)
-            monitors.replay(history)  # the history up to the checkpoint
-            # The summary's evals as if the run had never stopped: the base model's eval first.
-            summary.eval_history = eval_history(history)
-        # Ctrl-C / SIGTERM from here on: the step finishes, a checkpoint is saved, then we stop.
-        stop_signals = StopSignals()
-        closers.append(stop_signals.restore)
-
-        def save(step: int) -> None:
-            plan.before_save()  # async: producer idle; fsdp: full weights gathered (collective)
-            # fsdp without a sampling copy (a server samples): gather the weights here (collective)
-            gather = dist is not None and dist.fsdp and plan.copy_model is None
-            save_checkpoint(  # every rank: its RNGs (and under fsdp its optimizer shard)
-                run_dir,
-                step,
-                model=plan.copy_model if plan.copy_model is not None else policy.model,
-                model_state=dist.full_state_dict(policy.model, keep=is_main) if gather else None,
-                tokenizer=tokenizer,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                generator_rng=generator.get_state(),
-                sampler_state=sources.state_dict(),
-                extra_state={
-                    "algorithm": cfg.algorithm,
-                    "monitors": monitors.state_dict(),
-                    "curriculum": curriculum.state_dict(),
-                },
-                keep_last=cfg.checkpoint.keep_last,
-                save_extra=critic.save if critic is not None else None,
-                dist=dist,
-                sharded_model=policy.model if dist is not None and dist.fsdp else None,
-            )
-
-        if cfg.eval.at_start and not resume:
-            progress.note("evaluating the base policy on held-out tasks...")
-            failures: list[str] = []
-            base = run_eval(failures)
-            summary.eval_history.append((0, base))
-            monitors.observe(0, base)
-            tracker.log(base, step=0)
-            progress.note(f"held-out accuracy before training: {base['eval/accuracy']:.1%}")
-            # Never a silent 0%: failed rollouts are named; all of them failing stops the run
-            # (under torchrun on rank 0's numbers, so every rank stops alike).
-            check_eval_errors(
-                base if dist is None else dist.broadcast_object(base),
-                failures,
-                "held-out eval before training",
-                progress.console if is_main else None,
-            )
-            if stop_signals.requested(dist):
-                save(0)
-                raise stop_signals.interrupted(0, run_dir)
-
-        first_step_started = time.time()
-        for step in range(start_step + 1, cfg.train.steps + 1):
-            t0 = time.time()
-            watchdog.step = step
-            curriculum.before_step(step)
-            # 1. tasks -> rollouts (multi-turn when the env asks), scored; the filter keeps the
-            #    groups worth learning from (StarPO-S / DAPO dynamic sampling)
-            sampled, kept, filter_metrics = collect_groups(cfg, plan.sample_round)
-            trajectories = flatten(kept)
-            t_rollout = time.time() - t0
-            plan.before_update()  # the sampler's weight copy is not kept through the update
-            # 2. advantages over the rollouts that scored, then per-token credit; KL in the reward
-            #    needs the reference's log-probs first, ppo the critic's values
-            ref_logprobs = reference_logprobs(policy, trajectories, cfg, dist=dist)
-            values = critic.token_values(trajectories) if critic is not None else None
-            credit = assign_credit(
-                trajectories, cfg, algorithm, ref_logprobs=ref_logprobs, values=values
-            )
-            token_adv = credit.token_advantages
-            # 3. the update: the critic towards its returns, the policy along its advantages
-            update = dict(credit.metrics)
-            if critic is not None:
-                update.update(critic.update(trajectories, credit))
-            if critic is None or step > cfg.critic.warmup_steps:
-                with watch("update"):
-                    update.update(
-                        policy_update(
-                            policy, optimizer, trajectories, token_adv, cfg, teacher=teacher,
-                            dist=dist,
-                        )
-                    )  # fmt: skip
-                plan.after_update(step)  # the samplers get the new weights
-            metrics = {
-                **rollout_metrics(sampled, sources.reward_names, group_size),
-                **agent_metrics(flatten(sampled)),
-                **filter_metrics,
-                **plan.metrics(),
-                **update,
-            }
-            if sources.is_mixture:
-                metrics.update(
-                    source_metrics(flatten(sampled), {s.name: s.metric for s in sources})
-                )
-            # A judge or reward model's share reported apart from the verifiers' (hacking shows there).
-            metrics.update(
-                verifiability_metrics(
-                    flatten(sampled), sources.reward_weights, sources.unverifiable
-                )
-            )
-            metrics["learning_rate"] = scheduler.get_last_lr()[0]
-            with warnings.catch_warnings():
-                # The schedule follows steps even when an update was skipped (no optimizer.step()).
-                warnings.simplefilter("ignore", UserWarning)
-                scheduler.step()
-            elapsed = time.time() - t0
-            n_tokens = sum(len(t.token_ids) - t.prompt_length for t in flatten(sampled))
-            metrics.update(
-                {
-                    "step_time": elapsed,
-                    "rollout_time": t_rollout,
-                    "update_time": elapsed - t_rollout,
-                    "tokens_per_second": n_tokens / elapsed,
-                    "perf/precision": precision.bits,  # 16: bf16 autocast update, 32: fp32
-                }
-            )
-            # 4. held-out eval, metrics, checkpoint
-            at_end_anyway = step == cfg.train.steps and cfg.eval.at_end
-            if cfg.eval.every and step % cfg.eval.every == 0 and not at_end_anyway:
-                ev = run_eval()
-                summary.eval_history.append((step, ev))
-                metrics.update(ev)
-            if dist is not None:  # every rank acts on rank 0's numbers, so all decide alike
-                metrics = dist.broadcast_object(metrics)
-            # 5. the monitors read the history; an alert is an event row after this step's metrics,
-            #    and its action applies from the next step (a mitigation is in the checkpoint)
-            promotions = curriculum.after_step(step, flatten(sampled), metrics)  # level changes now
-            alerts = monitors.observe(step, metrics)
-            metrics.update({f"alerts/{a.name}": 1.0 for a in alerts})
-            tracker.log(metrics, step=step)
-            for event in promotions:  # an event row, as an alert's
-                tracker.log(event, step=step)
-                progress.console.print(escape(event["message"]))
-            for alert in alerts:
-                cfg, stop = act_on_alert(alert, cfg, monitors, policy, tracker, progress)
-                summary.stopped_early = summary.stopped_early or stop
-            tracker.log_rollouts(rollout_rows(sampled), step=step)
-            every = cfg.tracking.trajectories_every
-            if is_main and every and step % every == 0:
-                write_step_trajectories(
-                    run_dir, step, trajectory_rows(trajectories, token_adv, tokenizer)
-                )
-            summary.steps_done = step
-            progress.update(step, metrics)
-            check_error_fraction(flatten(sampled), step, cfg.train.max_reward_error_fraction)
-            saved = summary.stopped_early or (
-                cfg.checkpoint.every and step % cfg.checkpoint.every == 0
-            )
-            if saved:
-                save(step)
-            if on_step_end is not None:
-                on_step_end(step, metrics)
-            if summary.stopped_early:
-                progress.console.print(
-                    f"stopped early at step {step}: {escape(summary.stopped_early)}"
-                )
+        # The set-up stages (rlvr.train.run_setup); each adds what it starts to run.closers.
+        load_run(run, overwrite=overwrite)
+        build_trainer(run)
+        restore(run)
+        open_reporting(run)
+        if run.cfg.eval.at_start and not resume:
+            evaluate_base(run)
+        run.first_step_started = time.time()
+        for step in range(run.start_step + 1, run.cfg.train.steps + 1):
+            metrics, rollouts = rl_step(run, step)
+            metrics = record_step(run, step, metrics, rollouts)
+            if end_step(run, step, metrics, on_step_end):
                 break
-            if stop_signals.requested(dist):  # this step is complete: checkpoint it, then stop
-                if not saved:
-                    save(step)
-                raise stop_signals.interrupted(step, run_dir)
-            limit = cfg.train.time_limit_minutes
-            out_of_time = limit is not None and time.time() - first_step_started >= 60.0 * limit
-            if dist is not None:
-                out_of_time = bool(dist.broadcast_object(out_of_time))
-            if out_of_time and step < cfg.train.steps:
-                summary.time_limited = True
-                if not (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                    save(step)
-                progress.console.print(f"time limit of {limit:g} min reached after step {step}")
-                break
-
-        if cfg.eval.at_end:
-            final = run_eval()
-            summary.eval_history.append((summary.steps_done, final))
-            alerts = monitors.observe(summary.steps_done, final)  # the held-out rule, one last time
-            tracker.log(
-                {**final, **{f"alerts/{a.name}": 1.0 for a in alerts}}, step=summary.steps_done
-            )
-            for alert in alerts:
-                log_alert(alert, tracker, progress)
-        if cfg.checkpoint.save_final and summary.steps_done == cfg.train.steps:
-            save(cfg.train.steps)
+        finish(run)
     finally:
-        for close in reversed(closers):
+        for close in reversed(run.closers):
             close()
-        if dist is not None:
-            dist.close()
-    summary.wall_seconds = time.time() - started
-    return summary
+    run.summary.wall_seconds = time.time() - started
+    return run.summary
+
+
+def evaluate_base(run: Run) -> None:
+    """The untrained policy's held-out accuracy, logged at step 0; a run whose every eval rollout
+    failed stops here, naming them."""
+    progress = run.progress
+    progress.note("evaluating the base policy on held-out tasks...")
+    failures: list[str] = []
+    base = run_eval(run, failures)
+    run.summary.eval_history.append((0, base))
+    run.monitors.observe(0, base)
+    run.tracker.log(base, step=0)
+    progress.note(f"held-out accuracy before training: {base['eval/accuracy']:.1%}")
+    # Never a silent 0%: failed rollouts are named; all of them failing stops the run
+    # (under torchrun on rank 0's numbers, so every rank stops alike).
+    check_eval_errors(
+        base if run.dist is None else run.dist.broadcast_object(base),
+        failures,
+        "held-out eval before training",
+        progress.console if run.is_main else None,
+    )
+    if run.stop_signals.requested(run.dist):
+        save(run, 0)
+        raise run.stop_signals.interrupted(0, run.run_dir)
+
+
+@dataclass
+class StepRollouts:
+    """One step's episodes: every group sampled, and the trajectories the update trains on (with
+    their per-token advantages)."""
+
+    sampled: list[Group]
+    trajectories: list[Trajectory]
+    token_advantages: Sequence[Sequence[float]]
+
+
+def rl_step(run: Run, step: int) -> tuple[dict[str, Any], StepRollouts]:
+    """The RL step: tasks -> scored rollouts -> advantages -> the update. Returns the step's metrics
+    (rollouts, filter, credit, update, timing) and its episodes."""
+    cfg, plan, policy = run.cfg, run.plan, run.policy
+    t0 = time.time()
+    run.watchdog.step = step
+    run.curriculum.before_step(step)
+    # 1. tasks -> rollouts (multi-turn when the env asks), scored; the filter keeps the
+    #    groups worth learning from (StarPO-S / DAPO dynamic sampling)
+    sampled, kept, filter_metrics = collect_groups(cfg, plan.sample_round)
+    trajectories = flatten(kept)
+    t_rollout = time.time() - t0
+    plan.before_update()  # the sampler's weight copy is not kept through the update
+    # 2. advantages over the rollouts that scored, then per-token credit; KL in the reward
+    #    needs the reference's log-probs first, ppo the critic's values
+    ref_logprobs = reference_logprobs(policy, trajectories, cfg, dist=run.dist)
+    critic = run.critic
+    values = critic.token_values(trajectories) if critic is not None else None
+    credit = assign_credit(
+        trajectories, cfg, run.algorithm, ref_logprobs=ref_logprobs, values=values
+    )
+    # 3. the update: the critic towards its returns, the policy along its advantages
+    update = dict(credit.metrics)
+    if critic is not None:
+        update.update(critic.update(trajectories, credit))
+    if critic is None or step > cfg.critic.warmup_steps:
+        with watch("update"):
+            update.update(
+                policy_update(
+                    policy, run.optimizer, trajectories, credit.token_advantages, cfg,
+                    teacher=run.teacher, dist=run.dist,
+                )
+            )  # fmt: skip
+        plan.after_update(step)  # the samplers get the new weights
+    metrics = {**step_metrics(run, sampled, filter_metrics), **update}
+    elapsed = time.time() - t0
+    n_tokens = sum(len(t.token_ids) - t.prompt_length for t in flatten(sampled))
+    metrics.update(
+        {
+            "step_time": elapsed,
+            "rollout_time": t_rollout,
+            "update_time": elapsed - t_rollout,
+            "tokens_per_second": n_tokens / elapsed,
+            "perf/precision": run.precision.bits,  # 16: bf16 autocast update, 32: fp32
+        }
+    )
+    return metrics, StepRollouts(sampled, trajectories, credit.token_advantages)
+
+
+def step_metrics(
+    run: Run, sampled: list[Group], filter_metrics: dict[str, float]
+) -> dict[str, Any]:
+    """The rollouts' metrics (reward per component, lengths, agent turns, per source, verifiable
+    vs not), the filter's, the rollout plan's, and the learning rate; steps the schedule."""
+    sources = run.sources
+    episodes = flatten(sampled)
+    metrics = {
+        **rollout_metrics(sampled, sources.reward_names, run.cfg.sampling.group_size),
+        **agent_metrics(episodes),
+        **filter_metrics,
+        **run.plan.metrics(),
+    }
+    if sources.is_mixture:
+        metrics.update(source_metrics(episodes, {s.name: s.metric for s in sources}))
+    # A judge or reward model's share reported apart from the verifiers' (hacking shows there).
+    metrics.update(verifiability_metrics(episodes, sources.reward_weights, sources.unverifiable))
+    metrics["learning_rate"] = run.scheduler.get_last_lr()[0]
+    with warnings.catch_warnings():
+        # The schedule follows steps even when an update was skipped (no optimizer.step()).
+        warnings.simplefilter("ignore", UserWarning)
+        run.scheduler.step()
+    return metrics
+
+
+def record_step(
+    run: Run, step: int, metrics: dict[str, Any], rollouts: StepRollouts
+) -> dict[str, Any]:
+    """Held-out eval when due, then the monitors, the tracker, the step's trajectories and the
+    progress line. Returns the metrics as logged (under torchrun, rank 0's on every rank)."""
+    cfg = run.cfg
+    at_end_anyway = step == cfg.train.steps and cfg.eval.at_end
+    if cfg.eval.every and step % cfg.eval.every == 0 and not at_end_anyway:
+        ev = run_eval(run)
+        run.summary.eval_history.append((step, ev))
+        metrics.update(ev)
+    if run.dist is not None:  # every rank acts on rank 0's numbers, so all decide alike
+        metrics = run.dist.broadcast_object(metrics)
+    # The monitors read the history; an alert is an event row after this step's metrics, and its
+    # action applies from the next step (a mitigation is in the checkpoint).
+    episodes = flatten(rollouts.sampled)
+    promotions = run.curriculum.after_step(step, episodes, metrics)  # level changes now
+    alerts = run.monitors.observe(step, metrics)
+    metrics.update({f"alerts/{a.name}": 1.0 for a in alerts})
+    run.tracker.log(metrics, step=step)
+    for event in promotions:  # an event row, as an alert's
+        run.tracker.log(event, step=step)
+        run.progress.console.print(escape(event["message"]))
+    for alert in alerts:
+        run.cfg, stop = act_on_alert(
+            alert, run.cfg, run.monitors, run.policy, run.tracker, run.progress
+        )
+        run.summary.stopped_early = run.summary.stopped_early or stop
+    cfg = run.cfg  # as a mitigation left it
+    run.tracker.log_rollouts(rollout_rows(rollouts.sampled), step=step)
+    every = cfg.tracking.trajectories_every
+    if run.is_main and every and step % every == 0:
+        rows = trajectory_rows(
+            rollouts.trajectories, rollouts.token_advantages, run.policy.tokenizer
+        )
+        write_step_trajectories(run.run_dir, step, rows)
+    run.summary.steps_done = step
+    run.progress.update(step, metrics)
+    check_error_fraction(episodes, step, cfg.train.max_reward_error_fraction)
+    return metrics
+
+
+def end_step(run: Run, step: int, metrics: dict[str, Any], on_step_end: StepHook | None) -> bool:
+    """The checkpoint when due, the user's hook, then whether the run ends here: a monitor's stop,
+    Ctrl-C / SIGTERM (raises `RunInterrupted` after a checkpoint) or the time limit."""
+    cfg, summary = run.cfg, run.summary
+    due = bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+    saved = bool(summary.stopped_early) or due
+    if saved:
+        save(run, step)
+    if on_step_end is not None:
+        on_step_end(step, metrics)
+    if summary.stopped_early:
+        run.progress.console.print(f"stopped early at step {step}: {escape(summary.stopped_early)}")
+        return True
+    if run.stop_signals.requested(run.dist):  # this step is complete: checkpoint it, then stop
+        if not saved:
+            save(run, step)
+        raise run.stop_signals.interrupted(step, run.run_dir)
+    limit = cfg.train.time_limit_minutes
+    out_of_time = limit is not None and time.time() - run.first_step_started >= 60.0 * limit
+    if run.dist is not None:
+        out_of_time = bool(run.dist.broadcast_object(out_of_time))
+    if out_of_time and step < cfg.train.steps:
+        summary.time_limited = True
+        if not due:
+            save(run, step)
+        run.progress.console.print(f"time limit of {limit:g} min reached after step {step}")
+        return True
+    return False
+
+
+def finish(run: Run) -> None:
+    """The held-out eval at the end (and the monitors' held-out rule one last time), and the final
+    checkpoint of a run that reached train.steps."""
+    cfg, summary = run.cfg, run.summary
+    if cfg.eval.at_end:
+        final = run_eval(run)
+        summary.eval_history.append((summary.steps_done, final))
+        alerts = run.monitors.observe(summary.steps_done, final)
+        run.tracker.log(
+            {**final, **{f"alerts/{a.name}": 1.0 for a in alerts}}, step=summary.steps_done
+        )
+        for alert in alerts:
+            log_alert(alert, run.tracker, run.progress)
+    if cfg.checkpoint.save_final and summary.steps_done == cfg.train.steps:
+        save(run, cfg.train.steps)
 
 
 def log_alert(
@@ -504,17 +354,6 @@ def act_on_alert(
         ensure_reference(policy, cfg)
     log_alert(alert, tracker, progress, changes)
     return cfg, f"{alert.name}: {alert.message}" if alert.action == "stop" else None
-
-
-def ensure_reference(policy: Policy, cfg: RunConfig) -> None:
-    """Give a full fine-tuning run a reference once beta > 0 (a mitigation raised it from 0): the
-    base model, frozen, which is what a run started with that beta would have (so a resume matches).
-    LoRA needs none: its reference is the base with adapters disabled."""
-    if cfg.objective.beta > 0 and not policy.lora and policy._reference is None:
-        # Loading must not move the run's RNG: a resumed run loads it at another moment.
-        with torch.random.fork_rng(devices=[]):
-            reference = load_policy(cfg.model.name, device=device_of(policy.model)).model
-            policy._reference = reference.eval().requires_grad_(False)
 
 
 def train_from_file(path: str, overrides: list[str] | None = None) -> RunSummary:
