@@ -121,4 +121,6 @@ def rollout_limits(cfg: RunConfig) -> RolloutLimits:
         max_tool_calls_per_turn=r.max_tool_calls_per_turn,
         env_workers=r.env_workers,
         tool_format=r.tool_format,
+        history=r.history,
+        history_turns=r.history_turns,
     )

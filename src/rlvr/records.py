@@ -7,6 +7,11 @@ Shape convention used across rlvr wherever tensors cross a function boundary: a 
 A `Trajectory` is token-exact: `token_ids` is built by appending the prompt's tokens, then each token as
 the policy sampled it, then (multi-turn) each observation as it is tokenized. It is never rebuilt by
 re-tokenizing decoded text, which silently shifts masks (TRL #5144).
+
+With `rollout.history: window` each turn is sampled from a shorter prompt than the whole conversation:
+the opening plus the last K turns. The episode's `Trajectory` still holds the whole conversation (for
+scoring, metrics and reading) and records where each turn's history began (`history_starts`); the
+update trains on its per-turn samples (`Trajectory.turn_samples`), each token-exact for its own prompt.
 """
 
 from __future__ import annotations
@@ -46,6 +51,14 @@ class Span:
 
 
 @dataclass(frozen=True)
+class EpisodeTurn:
+    """Where a per-turn training sample comes from: turn `index` of `episode` (a windowed episode)."""
+
+    episode: Trajectory
+    index: int
+
+
+@dataclass(frozen=True)
 class Trajectory:
     """One finished rollout of a task.
 
@@ -58,6 +71,13 @@ class Trajectory:
     share lands on the last turn); `reward_errors` names the components whose function raised (such a
     trajectory is excluded from the update). `completion_text` is the last assistant turn's text,
     `messages` the conversation after the prompt (assistant turns as decoded, observations as sent).
+
+    `history_starts` (`rollout.history: window`; empty for full history): one per turn, where in
+    `token_ids` the history turn k was sampled with begins. Turn k's prompt was exactly
+    `token_ids[:prompt_length] + token_ids[history_starts[k]:turns[k].start]` (the opening, then the
+    last K turns' actions and observations), so `logprobs` on turn k are conditioned on that prompt,
+    not on the whole conversation: such an episode is trained through `turn_samples()`, never as one
+    row (`windowed`; rlvr.train.batch.collate refuses it). `turn_of` marks a per-turn sample.
     """
 
     task_id: str
@@ -75,6 +95,8 @@ class Trajectory:
     messages: tuple[Mapping[str, Any], ...] = ()
     source: str = ""
     info: Mapping[str, Any] = field(default_factory=dict)
+    history_starts: tuple[int, ...] = ()
+    turn_of: EpisodeTurn | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -88,6 +110,18 @@ class Trajectory:
         for span in self.turns:
             if not self.prompt_length <= span.start <= span.end <= n:
                 raise ValueError(f"trajectory {self.task_id}: turn {span} outside the completion")
+        if self.history_starts:
+            if len(self.history_starts) != len(self.turns):
+                raise ValueError(
+                    f"trajectory {self.task_id}: {len(self.history_starts)} history starts for "
+                    f"{len(self.turns)} turns"
+                )
+            for start, span in zip(self.history_starts, self.turns, strict=True):
+                if not self.prompt_length <= start <= span.start:
+                    raise ValueError(
+                        f"trajectory {self.task_id}: history start {start} outside "
+                        f"[{self.prompt_length}, {span.start}]"
+                    )
 
     @property
     def completion_ids(self) -> tuple[int, ...]:
@@ -97,6 +131,55 @@ class Trajectory:
     @property
     def num_policy_tokens(self) -> int:
         return sum(self.policy_mask)
+
+    @property
+    def windowed(self) -> bool:
+        """True when some turn was sampled without the whole conversation before it (a window that
+        dropped turns): the conversation as one row is not what the policy saw."""
+        return any(start != self.prompt_length for start in self.history_starts)
+
+    def turn_prompt_ids(self, k: int) -> tuple[int, ...]:
+        """The exact prompt turn k was sampled from (the whole conversation before it without a
+        window)."""
+        start = self.history_starts[k] if self.history_starts else self.prompt_length
+        return self.token_ids[: self.prompt_length] + self.token_ids[start : self.turns[k].start]
+
+    def turn_samples(self) -> tuple[Trajectory, ...]:
+        """One training sample per turn: turn k's prompt (`turn_prompt_ids`) then the tokens sampled
+        for turn k, with their sampling log-probs. The sample's `prompt_length` is the opening's,
+        and the kept turns after it are context inside its completion (policy_mask 0, like
+        observations): the token sequence is the one the sampler saw, and the update's collate runs
+        the opening once for every sample of a task (the G episodes' turns all share it). Rewards,
+        errors, finish reason and info are the episode's (a sample is usable, or cut, exactly when
+        its episode is); `turn_rewards` holds turn k's own reward; `turn_of` links back to the
+        episode, whose credit the sample takes (rlvr.train.selection.assign_credit)."""
+        out = []
+        assistant = [m for m in self.messages if m.get("role") == "assistant"]
+        for k, span in enumerate(self.turns):
+            prompt = self.turn_prompt_ids(k)
+            n, sampled = len(prompt), self.token_ids[span.start : span.end]
+            out.append(
+                Trajectory(
+                    task_id=self.task_id,
+                    token_ids=prompt + sampled,
+                    policy_mask=(0,) * n + self.policy_mask[span.start : span.end],
+                    logprobs=(0.0,) * n + self.logprobs[span.start : span.end],
+                    prompt_length=self.prompt_length,
+                    completion_text=str(assistant[k].get("content", ""))
+                    if k < len(assistant)
+                    else "",
+                    finish_reason=self.finish_reason,
+                    turns=(Span(n, n + len(sampled)),),
+                    rewards=self.rewards,
+                    reward=self.reward,
+                    reward_errors=self.reward_errors,
+                    turn_rewards=self.turn_rewards[k : k + 1],
+                    source=self.source,
+                    info={**self.info, "turn": k},
+                    turn_of=EpisodeTurn(self, k),
+                )
+            )
+        return tuple(out)
 
     @property
     def usable(self) -> bool:

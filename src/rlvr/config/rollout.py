@@ -40,6 +40,17 @@ class RolloutConfig(_Section):
         ge=1,
         description="Threads stepping envs in parallel (code runs, tools); 1 = the main thread.",
     )
+    history: Literal["full", "window"] = Field(
+        "full",
+        description="What each turn is sampled from (docs/envs.md, History). full: the whole "
+        "conversation so far; the episode is one training row. window: the opening (system + first "
+        "user message) plus the last history_turns turns (action + observation pairs), and each "
+        "turn is its own training sample (verl-agent's memory, SkyRL / prime-rl non-prefix "
+        "histories): the update's cost grows linearly with turns, not quadratically.",
+    )
+    history_turns: int = Field(
+        2, ge=1, description="history: window, K: the turns kept after the opening."
+    )
     mode: Literal["internal", "external"] = Field(
         "internal",
         description="internal: rlvr plays the episodes (tasks, envs). external: the user's own agent "
@@ -66,6 +77,15 @@ class RolloutConfig(_Section):
     @classmethod
     def _shorthand(cls, data: Any) -> Any:
         return {"mode": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _window_is_internal(self) -> RolloutConfig:
+        if self.mode == "external" and self.history == "window":
+            raise ValueError(
+                "rollout.history window: rlvr plays the episodes to cut their history, but "
+                "rollout.mode external leaves the prompts to your agent (set history: full)"
+            )
+        return self
 
 
 class VllmLaunch(_Section):

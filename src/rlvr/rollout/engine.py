@@ -19,6 +19,13 @@ The Generator seam is stateless (vLLM's prefix cache makes re-sent conversations
 generator with a `turn_session()` context (HFGenerator with `generator.turn_cache`) keeps each live
 conversation's KV cache between the turns of one multi-turn rollout, so a turn prefills only the
 observation glue; the session ends (caches dropped) when the rollout returns, before any update.
+
+History (`RolloutLimits.history`): `full` samples each turn from the whole conversation so far;
+`window` from the opening plus the last `history_turns` turns (each an assistant action and the
+observation after it), verl-agent's memory and SkyRL / prime-rl's non-prefix histories. The window
+is a slice of the conversation's own tokens (opening + token_ids[turns[k-K].start:]), never a
+re-rendering, so it is token-exact too; the episode records each turn's history start and is trained
+as one sample per turn (`Trajectory.turn_samples`). Token budgets count the whole episode either way.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from rlvr.envs.base import STATE_KEY, Env, EnvStep, SingleTurnEnv
 from rlvr.envs.tool_formats import HERMES, ToolFormat, ToolFormatChoice, resolve_tool_format
@@ -63,6 +70,12 @@ class RolloutLimits:
     max_tool_calls_per_turn: int = 4
     env_workers: int = 4  # threads stepping envs in parallel (1 = in the calling thread)
     tool_format: ToolFormatChoice = "auto"  # auto = the chat template's (envs/tool_formats.py)
+    history: Literal["full", "window"] = "full"  # what each turn is sampled from (module docstring)
+    history_turns: int = 2  # window: the last K turns after the opening
+
+    def __post_init__(self) -> None:
+        if self.history_turns < 1:
+            raise ValueError(f"history_turns must be >= 1, got {self.history_turns}")
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,7 @@ class _Episode:
     messages: list[dict[str, Any]] = field(default_factory=list)
     info: dict[str, float] = field(default_factory=dict)
     state_keys: list[Any] = field(default_factory=list)  # env's `state_key` per step (GiGPO)
+    history_starts: list[int] = field(default_factory=list)  # window: each turn's (Trajectory)
     last_text: str = ""
     finish: FinishReason | None = None
     error: str | None = None
@@ -106,6 +120,15 @@ class _Episode:
     @property
     def used(self) -> int:
         return len(self.token_ids) - self.prompt_length
+
+    def next_prompt(self, limits: RolloutLimits) -> list[int]:
+        """The ids the next turn is sampled from; with a window, its history start is recorded."""
+        if limits.history == "full":
+            return self.token_ids
+        first = len(self.turns) - limits.history_turns  # the oldest turn kept
+        start = self.turns[first].start if first > 0 else self.prompt_length
+        self.history_starts.append(start)
+        return self.token_ids[: self.prompt_length] + self.token_ids[start:]
 
 
 def _configure(env: Env, limits: RolloutLimits, tool_format: ToolFormat) -> None:
@@ -146,19 +169,19 @@ def _start(
 
 
 def _sample_turn(
-    live: list[_Episode], generator: Generator, sampling: SamplingParams, budget: int
+    prompts: list[list[int]], generator: Generator, sampling: SamplingParams, budget: int
 ) -> list[Completion]:
-    """One assistant turn for every live episode, in order, in one generator call.
+    """One assistant turn for every live episode's prompt, in order, in one generator call.
 
-    Episodes with identical conversations (the G samples of a task on their first turn) are sent
-    once with n = G, so the generator prefills that prompt once.
+    Identical prompts (the G samples of a task on their first turn) are sent once with n = G, so
+    the generator prefills that prompt once.
     """
     params = dataclasses.replace(sampling, n=1, max_new_tokens=max(1, budget))
     order: dict[tuple[int, ...], list[int]] = {}
-    for i, ep in enumerate(live):
-        order.setdefault(tuple(ep.token_ids), []).append(i)
+    for i, prompt in enumerate(prompts):
+        order.setdefault(tuple(prompt), []).append(i)
     sizes = {len(v) for v in order.values()}
-    out: list[Completion | None] = [None] * len(live)
+    out: list[Completion | None] = [None] * len(prompts)
     if len(sizes) == 1 and (k := sizes.pop()) > 1:
         with watch("generation"):
             results = generator.generate(list(order), dataclasses.replace(params, n=k))
@@ -167,7 +190,7 @@ def _sample_turn(
                 out[i] = c
     else:
         with watch("generation"):
-            results = generator.generate([ep.token_ids for ep in live], params)
+            results = generator.generate(prompts, params)
         for i, completions in enumerate(results):
             out[i] = completions[0]
     assert all(c is not None for c in out)
@@ -303,8 +326,9 @@ def _play(
     while live := [ep for ep in flat if ep.finish is None]:
         budget = min(sampling.max_new_tokens, max(limits.max_total_tokens - ep.used for ep in live))
         pending: list[tuple[_Episode, str, bool, str]] = []
+        prompts = [ep.next_prompt(limits) for ep in live]
         for ep, completion in zip(
-            live, _sample_turn(live, generator, sampling, budget), strict=True
+            live, _sample_turn(prompts, generator, sampling, budget), strict=True
         ):
             room = limits.max_total_tokens - ep.used
             sampled = list(completion.token_ids[:room])
@@ -345,6 +369,7 @@ def _unscored(ep: _Episode) -> Trajectory:
         turns=tuple(ep.turns),
         messages=tuple(ep.messages),
         source=ep.task.source,
+        history_starts=tuple(ep.history_starts),
     )
 
 

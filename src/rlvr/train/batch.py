@@ -89,6 +89,11 @@ def collate(
     prompts: dict[tuple[int, ...], int] = {}
     row_prompt = []
     for traj in trajectories:
+        if traj.windowed:  # its later turns were sampled from shorter prompts than this row's
+            raise ValueError(
+                f"trajectory {traj.task_id} was sampled with a history window: train on its "
+                "turn samples (Trajectory.turn_samples, rlvr.train.selection.training_group)"
+            )
         key = traj.token_ids[: traj.prompt_length]
         row_prompt.append(prompts.setdefault(key, len(prompts)))
     prompt_cols = max(len(p) for p in prompts)

@@ -5,6 +5,17 @@ dynamic sampling; rlvr.algorithms.filtering) and `assign_credit` turns rewards i
 advantages as `objective.credit` says (rlvr.algorithms.credit). Both are thin: the rules themselves
 are pure functions with hand-worked tests.
 
+History windows (`rollout.history: window`): the update trains on one row per turn
+(`Trajectory.turn_samples`: the windowed prompt the turn was sampled from + its sampled tokens,
+the opening as the row's prompt, shared by every row of a task, the kept turns masked), so
+`collect_groups` hands over each kept episode as its turn rows, and `assign_credit` lifts the rows
+back to their episodes, computes the credit there exactly as for full history (group statistics over
+episodes: a 10-turn episode counts once in its group's mean and std, not 10 times; turn returns and
+GiGPO's anchor states from the episode's turns), and gives each row its turn's slice. The loss then
+aggregates over rows as configured (`objective.loss_aggregation`): the default token mean over the
+batch weighs every sampled token once, as with full history; the per-sequence means (TRL's "grpo"
+aggregation) average per turn sample, so a long episode weighs more there than with full history.
+
 Both run on the host (`HOST`): rewards, log-probs and masks arrive as Python numbers and leave as
 Python lists, a few floats per token; a GPU would add a launch and a wait per operation. The update
 puts the advantages on the model's device with the rest of the batch (rlvr.train.batch.collate).
@@ -49,6 +60,8 @@ def collect_groups(
     Without dynamic sampling one round is drawn and filtered. With it (DAPO), rounds continue until
     prompts_per_step groups were kept or max_sampling_rounds is reached; at most prompts_per_step
     groups are kept. Metrics describe every sampled group, so the filter cannot hide a collapse.
+    `sampled` holds episodes; `kept` holds what the update trains on (`training_group`): the
+    episodes, or with a history window each episode's turn rows.
     """
     f, group_size = cfg.filter, cfg.sampling.group_size
     sampled: list[Group] = []
@@ -74,12 +87,23 @@ def collect_groups(
             break
     if f.dynamic_sampling:
         kept = kept[: cfg.sampling.prompts_per_step]
+    kept = [training_group(g) for g in kept]
     metrics = {
         "rollout/in_group_std": sum(stds) / len(stds),
         "rollout/filter_kept_ratio": len(kept) / len(sampled),
         "rollout/sampling_rounds": float(rounds),
     }
     return sampled, kept, metrics
+
+
+def training_group(group: Group) -> Group:
+    """The group as training rows: an episode sampled with a history window becomes its per-turn
+    samples (`Trajectory.turn_samples`, in turn order, episodes in group order); any other episode
+    (full history, or one that never sampled a turn) stays one row."""
+    if not any(t.history_starts for t in group.trajectories):
+        return group
+    rows = [row for t in group.trajectories for row in (t.turn_samples() or (t,))]
+    return Group(task=group.task, trajectories=tuple(rows))
 
 
 @dataclass
@@ -132,6 +156,8 @@ def assign_credit(
     """
     if not trajectories:
         return Credit([])
+    if any(t.turn_of is not None for t in trajectories):
+        return _turn_rows_credit(trajectories, cfg, algorithm, ref_logprobs, values)
     if not isinstance(algorithm, Algorithm):
         resolved: Algorithm = ALGORITHMS.resolve(cfg.algorithm if algorithm is None else algorithm)
         algorithm = resolved
@@ -253,6 +279,81 @@ def assign_credit(
             for t, a, turns in zip(trajectories, outcome, per_turn, strict=True)
         ],
         metrics=metrics,
+    )
+
+
+def _turn_rows_credit(
+    rows: Sequence[Trajectory],
+    cfg: RunConfig,
+    algorithm: Algorithm | str | None,
+    ref_logprobs: Sequence[Sequence[float]] | None,
+    values: Sequence[Sequence[float]] | None,
+) -> Credit:
+    """`assign_credit` for turn rows (module docstring): per-token inputs of the rows placed on
+    their episodes' turn spans, the credit computed on the episodes, each row given its turn's
+    slice. Every turn of an episode must be among the rows (a row without `turn_of` is its own
+    episode), episodes group-major as `training_group` lays them out."""
+    episodes: list[Trajectory] = []
+    position: dict[int, int] = {}
+    where: list[tuple[int, int | None]] = []  # row -> (its episode's index, its turn or None)
+    for row in rows:
+        episode = row.turn_of.episode if row.turn_of is not None else row
+        e = position.setdefault(id(episode), len(episodes))
+        if e == len(episodes):
+            episodes.append(episode)
+        where.append((e, row.turn_of.index if row.turn_of is not None else None))
+    counts = [0] * len(episodes)
+    for e, _ in where:
+        counts[e] += 1
+    for episode, count in zip(episodes, counts, strict=True):
+        if count != max(1, len(episode.turns)):
+            raise ValueError(
+                f"episode {episode.task_id}: {count} rows for {len(episode.turns)} turns "
+                "(every turn sample of an episode must be trained together)"
+            )
+
+    def spans(row: Trajectory, e: int, k: int) -> tuple[int, int, int]:
+        """(where the turn's tokens start in the row's completion, in the episode's, how many)."""
+        mine, theirs = row.turns[0], episodes[e].turns[k]
+        n = mine.end - mine.start
+        return mine.start - row.prompt_length, theirs.start - episodes[e].prompt_length, n
+
+    def lift(per_row: Sequence[Sequence[float]] | None) -> list[list[float]] | None:
+        if per_row is None:
+            return None
+        out = [[0.0] * (len(ep.token_ids) - ep.prompt_length) for ep in episodes]
+        for row, row_values, (e, k) in zip(rows, per_row, where, strict=True):
+            if k is None:
+                out[e] = list(row_values)
+                continue
+            mine, theirs, n = spans(row, e, k)
+            out[e][theirs : theirs + n] = list(row_values[mine : mine + n])
+        return out
+
+    def project(per_episode: Sequence[Sequence[float]] | None) -> list[list[float]] | None:
+        if per_episode is None:
+            return None
+        out = []
+        for row, (e, k) in zip(rows, where, strict=True):
+            if k is None:
+                out.append(list(per_episode[e]))
+                continue
+            mine, theirs, n = spans(row, e, k)
+            values = [0.0] * (len(row.token_ids) - row.prompt_length)  # 0 on the kept turns
+            values[mine : mine + n] = per_episode[e][theirs : theirs + n]
+            out.append(values)
+        return out
+
+    credit = assign_credit(
+        episodes, cfg, algorithm, ref_logprobs=lift(ref_logprobs), values=lift(values)
+    )
+    advantages = project(credit.token_advantages)
+    assert advantages is not None
+    return Credit(
+        advantages,
+        returns=project(credit.returns),
+        old_values=project(credit.old_values),
+        metrics=credit.metrics,
     )
 
 
