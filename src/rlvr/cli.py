@@ -411,10 +411,22 @@ def env_check_command(
             help="Tool-call format: auto (the chat template's), hermes, qwen3, llama3_json, mistral.",
         ),
     ] = "auto",
+    history: Annotated[
+        str,
+        typer.Option(
+            "--history",
+            help="full, or window: each turn sampled from the opening + the last K turns "
+            "(rollout.history); the windowed prompts are shown.",
+        ),
+    ] = "full",
+    history_turns: Annotated[
+        int, typer.Option("--history-turns", help="K for --history window.", min=1)
+    ] = 2,
 ) -> None:
     """Play a few episodes (scripted, random or --model policy) and print, per turn, the rendered
     chat template, the tool schemas and tool-call format as the model sees them, trained vs masked
-    tokens and the reward parts. Exits 1 when a mask or template invariant is broken."""
+    tokens and the reward parts (with --history window, each turn's windowed prompt). Exits 1 when
+    a mask or template invariant is broken."""
     import yaml
 
     from rlvr.errors import ConfigError
@@ -430,6 +442,8 @@ def env_check_command(
     from rlvr.envs.tool_formats import TOOL_FORMATS
     from rlvr.models import eos_token_ids, load_policy, load_tokenizer, resolve_model_path
 
+    if history not in ("full", "window"):
+        raise ConfigError(f"--history '{history}': expected full or window")
     if tool_format != "auto" and tool_format not in TOOL_FORMATS:
         known = ", ".join(["auto", *TOOL_FORMATS])
         raise ConfigError(f"--tool-format '{tool_format}': expected one of {known}")
@@ -457,6 +471,8 @@ def env_check_command(
         max_turns=max_turns,
         tool_format=tool_format,
         colour=color,
+        history="window" if history == "window" else "full",
+        history_turns=history_turns,
     )
     if problems:
         raise typer.Exit(1)

@@ -15,6 +15,11 @@ Calls are written in the tool-call format the engine reads for this tokenizer (`
 = the chat template's; envs/tool_formats.py), shown with the tools: a scripted action's Hermes
 `<tool_call>` blocks are rewritten into that format, so one scripted solver serves every family.
 
+With `history="window"` (`rollout.history: window`, `--history window`) each turn after the
+first K is sampled from the opening plus the last K turns only; the report then shows, before such a
+turn, the windowed history it was sampled from (the tokens after the opening that its prompt kept),
+and checks that every turn sample's prompt is the opening followed by exactly those tokens.
+
 After each episode a few invariants are checked (every sampled token trained, every observation
 masked and present in the tokens, every tool named in the prompt, no env error); a failed one is
 printed as `PROBLEM:` and `rlvr env check` exits 1.
@@ -26,7 +31,7 @@ import json
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from rlvr.envs.base import Env, EnvFamily, EnvReset, EnvStep, Message, get_env_family
 from rlvr.envs.tool_formats import (
@@ -225,6 +230,38 @@ def _problems(traj: Trajectory, recorder: _Recorder, prompt_text: str) -> list[s
     return problems
 
 
+def _window_text(traj: Trajectory, k: int, tokens: Sequence[str]) -> str | None:
+    """What turn k's prompt held after the opening (None for the first turn: the opening alone)."""
+    start, span = traj.history_starts[k], traj.turns[k]
+    if k == 0:
+        return None
+    if start == traj.prompt_length:
+        return f"--- turn {k + 1} prompt: the opening + {_turns(1, k)} (the window is not full yet)"
+    dropped = sum(1 for s in traj.turns[:k] if s.start < start)
+    kept = "".join(tokens[start : span.start])
+    return (
+        f"--- turn {k + 1} prompt ({traj.prompt_length + span.start - start} tokens): the opening "
+        f"above, {_turns(1, dropped)} dropped, then {_turns(dropped + 1, k)} as sampled:\n{kept}"
+    )
+
+
+def _turns(first: int, last: int) -> str:
+    return f"turn {first}" if first == last else f"turns {first}-{last}"
+
+
+def _sample_problems(traj: Trajectory) -> list[str]:
+    """Each turn sample trains exactly on its windowed prompt and the turn's sampled tokens."""
+    problems = []
+    for k, (sample, span) in enumerate(zip(traj.turn_samples(), traj.turns, strict=True)):
+        start = traj.history_starts[k] if traj.history_starts else traj.prompt_length
+        prompt = traj.token_ids[: traj.prompt_length] + traj.token_ids[start : span.start]
+        if sample.token_ids != prompt + traj.token_ids[span.start : span.end]:
+            problems.append(f"turn {k + 1}'s training sample is not its prompt + its tokens")
+        if sum(sample.policy_mask) != span.end - span.start:
+            problems.append(f"turn {k + 1}'s training sample trains on the wrong tokens")
+    return problems
+
+
 def _observation_problems(masked: str, turn: _Turn) -> list[str]:
     if turn.step is None:
         return []
@@ -249,6 +286,8 @@ def check_env(
     tool_format: str = "auto",
     colour: bool = False,
     write: Callable[[str], None] = print,
+    history: Literal["full", "window"] = "full",
+    history_turns: int = 2,
 ) -> int:
     """Play `episodes` episodes of env `name` and write the report; returns the number of problems."""
     family: EnvFamily = get_env_family(name, options)
@@ -261,6 +300,11 @@ def check_env(
     policy_kind = "model" if generator else "scripted" if callable(scripted) else "random"
     write(f"policy: {policy_kind}; reward weights: {_parts(weights)} (parts not listed weigh 1)")
     write("legend: [[...]] trained tokens (policy_mask 1); everything else masked (policy_mask 0)")
+    if history == "window":
+        write(
+            f"history: window of {history_turns} turn(s): each turn is sampled from the opening "
+            f"plus the last {history_turns} turns, and trained as its own sample"
+        )
     for episode in range(episodes):
         task = family.generate(seed + episode)
         recorder = _Recorder(family.make(task))
@@ -276,6 +320,8 @@ def check_env(
             max_total_tokens=max_total_tokens,
             env_workers=1,
             tool_format=call_format.name,
+            history=history,
+            history_turns=history_turns,
         )
 
         def make_env(_task: Task, recorder: _Recorder = recorder) -> Env:
@@ -311,6 +357,8 @@ def check_env(
             end = traj.turns[k + 1].start if k + 1 < len(traj.turns) else len(tokens)
             turn = recorder.turns[k] if k < len(recorder.turns) else _Turn("")
             trained, masked = span.end - span.start, end - span.end
+            if traj.windowed and (window := _window_text(traj, k, tokens)) is not None:
+                write(window)
             write(
                 f"--- turn {k + 1}: {trained} tokens trained, then {masked} masked (glue + observation):"
             )
@@ -330,6 +378,7 @@ def check_env(
         )
         write(f"    reward parts over the episode: {_parts(traj.rewards)}")
         problems += [f"the env failed: {e}" for e in traj.info.get("reward_errors", {}).values()]
+        problems += _sample_problems(traj)
         for problem in problems:
             write(f"PROBLEM: {problem}")
         problems_total += len(problems)
