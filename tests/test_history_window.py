@@ -442,3 +442,25 @@ def test_a_short_window_run_trains(tiny_model_dir: Path, tmp_path: Path) -> None
     after = load_policy(str(summary.run_dir / "checkpoints" / "step-000003" / "model")).model
     changed = [n for n, p in after.state_dict().items() if not torch.equal(p, before[n])]
     assert changed
+
+
+def test_env_check_shows_the_windowed_prompts() -> None:
+    from rlvr.authoring.check import check_env
+
+    lines: list[str] = []
+    problems = check_env(
+        "frozenlake",
+        tokenizer=TOK,
+        episodes=1,
+        history="window",
+        history_turns=1,
+        write=lines.append,
+    )
+    out = "\n".join(lines)
+    assert problems == 0, out
+    assert "history: window of 1 turn(s)" in out
+    assert "--- turn 2 prompt: the opening + turn 1 (the window is not full yet)" in out
+    # Turn 3 kept turn 2 only: its answer, then the observation after it.
+    turn3 = out.split("--- turn 3 prompt", 1)[1].split("--- turn 3:", 1)[0]
+    assert "turn 1 dropped, then turn 2 as sampled" in turn3
+    assert turn3.count("<answer>") == 3  # turn 2's answer, the observation's format hint (2)
