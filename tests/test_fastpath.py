@@ -471,7 +471,7 @@ def test_fused_head_is_refused_where_logits_are_not_a_plain_matmul(tiny_model_di
 
 def test_fused_logprobs_auto_means_lora_runs() -> None:
     from rlvr.config import load_config
-    from rlvr.train.update import use_fused_logprobs
+    from rlvr.train.micro_batching import use_fused_logprobs
 
     assert not use_fused_logprobs(load_config(None, []))  # full FT: see config.py
     for bf16 in ("on", "off"):  # auto and an explicit setting, in either precision
@@ -489,8 +489,9 @@ def test_fused_logprobs_auto_is_on_for_every_run_on_a_gpu(monkeypatch: pytest.Mo
     """On a GPU the unfused head's fp32 (rows, length, vocab) logits are what runs out of memory
     (issue 34): auto takes the fused head there for full fine-tuning too; false still wins."""
     from rlvr.config import load_config
-    from rlvr.train import update
+    from rlvr.train import micro_batching
 
-    monkeypatch.setattr(update, "device_or_cpu", lambda setting: torch.device("cuda", 0))
-    assert update.use_fused_logprobs(load_config(None, []))
-    assert not update.use_fused_logprobs(load_config(None, ["train.fused_logprobs=false"]))
+    monkeypatch.setattr(micro_batching, "device_or_cpu", lambda setting: torch.device("cuda", 0))
+    assert micro_batching.use_fused_logprobs(load_config(None, []))
+    off = load_config(None, ["train.fused_logprobs=false"])
+    assert not micro_batching.use_fused_logprobs(off)

@@ -17,9 +17,8 @@ from rlvr.records import Trajectory
 from rlvr.train.batch import TrainBatch, collate
 from rlvr.train.checkpoint import load_data
 from rlvr.train.critic import ValueModel, build_critic, critic_update
-from rlvr.train.micro_batching import micro_batches, per_token_scores
+from rlvr.train.micro_batching import micro_batches, per_token_scores, trains_on
 from rlvr.train.selection import Credit
-from rlvr.train.update import trains_on
 
 
 class RunCritic:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from rlvr.build import device_or_cpu
 from rlvr.config import RunConfig
 from rlvr.records import Trajectory
 from rlvr.scale.torch_dist import DistContext, contiguous_cuts
 from rlvr.train.batch import TrainBatch, collate
+from rlvr.train.packing import packing_wanted
 
 
 def micro_batches(
@@ -191,3 +194,28 @@ class RankPlan:
             pack=self.packed,
         )
         return batch if device is None else batch.to(device)
+
+
+def use_fused_logprobs(cfg: RunConfig) -> bool:
+    """`train.fused_logprobs`, with auto = LoRA runs in either precision, and every run on a GPU,
+    where the (rows, length, vocab) fp32 logits are the update's largest activation (8 x 1024 x 152k
+    ids = 5 GB) and memory, not the CPU's page faults, is what binds (see rlvr/config/training.py)."""
+    setting = cfg.train.fused_logprobs
+    if setting != "auto":
+        return bool(setting)
+    return cfg.model.lora.enabled or device_or_cpu(cfg.model.device).type == "cuda"
+
+
+def packs_rows(cfg: RunConfig, model: Any, *, training: bool) -> bool:
+    """Whether micro-batches are collated packed (`train.padding_free`, rlvr.train.packing): only
+    where their rows run whole, i.e. the shared-prompt path is off, or gradient checkpointing turns it
+    off (in training mode only: HF keeps the KV cache in eval mode)."""
+    whole = not cfg.train.share_prompt_prefix or (training and cfg.model.gradient_checkpointing)
+    return whole and packing_wanted(cfg.train.padding_free, model)
+
+
+def trains_on(trajectory: Trajectory, cfg: RunConfig) -> bool:
+    """Whether a trajectory enters the loss: it scored, and (DAPO overlong filtering) was not cut off."""
+    if not trajectory.usable:
+        return False
+    return not (cfg.objective.mask_truncated and trajectory.finish_reason == "length")

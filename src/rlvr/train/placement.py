@@ -13,7 +13,7 @@ import torch
 from rlvr.config import RunConfig
 from rlvr.devices import describe
 from rlvr.models import Policy
-from rlvr.train.update import packs_rows
+from rlvr.train.micro_batching import packs_rows
 
 
 def placement_line(cfg: RunConfig, policy: Policy, device: torch.device, generator: Any) -> str:

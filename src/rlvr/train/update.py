@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,8 +28,13 @@ from rlvr.algorithms import (
     full_reverse_kl,
     zero_outside,
 )
-from rlvr.algorithms.off_policy import build_correction, resolve_correction, sequence_ratio_loss
-from rlvr.build import device_or_cpu, use_bf16
+from rlvr.algorithms.off_policy import (
+    Correction,
+    build_correction,
+    resolve_correction,
+    sequence_ratio_loss,
+)
+from rlvr.build import use_bf16
 from rlvr.config import RunConfig
 from rlvr.devices import device_of
 from rlvr.models import Policy
@@ -42,33 +48,49 @@ from rlvr.train.batch import (
     token_distributions,
     token_logprobs,
 )
-from rlvr.train.micro_batching import RankPlan, per_token_scores
-from rlvr.train.packing import packing_wanted
+from rlvr.train.micro_batching import (
+    RankPlan,
+    packs_rows,
+    per_token_scores,
+    trains_on,
+    use_fused_logprobs,
+)
 
 
-def use_fused_logprobs(cfg: RunConfig) -> bool:
-    """`train.fused_logprobs`, with auto = LoRA runs in either precision, and every run on a GPU,
-    where the (rows, length, vocab) fp32 logits are the update's largest activation (8 x 1024 x 152k
-    ids = 5 GB) and memory, not the CPU's page faults, is what binds (see rlvr/config/training.py)."""
-    setting = cfg.train.fused_logprobs
-    if setting != "auto":
-        return bool(setting)
-    return cfg.model.lora.enabled or device_or_cpu(cfg.model.device).type == "cuda"
+@dataclass
+class UpdateTerms:
+    """What every micro-batch's loss is made of in one update: the algorithm's policy loss, the
+    off-policy correction, the KL, entropy and teacher terms, the aggregation's whole-batch
+    normalisers, and the forward path (shared prompt, fused head) the plan chose."""
 
+    cfg: RunConfig
+    loss_fn: Callable[..., Any]
+    correction: Correction | None
+    pg_weight: float  # 1, or distill.reward_weight beside the teacher term
+    kl_in_loss: bool
+    teacher: Any
+    norms: dict[str, float]
+    bf16: bool
+    share: bool
+    fused: bool
 
-def packs_rows(cfg: RunConfig, model: Any, *, training: bool) -> bool:
-    """Whether micro-batches are collated packed (`train.padding_free`, rlvr.train.packing): only
-    where their rows run whole, i.e. the shared-prompt path is off, or gradient checkpointing turns it
-    off (in training mode only: HF keeps the KV cache in eval mode)."""
-    whole = not cfg.train.share_prompt_prefix or (training and cfg.model.gradient_checkpointing)
-    return whole and packing_wanted(cfg.train.padding_free, model)
-
-
-def trains_on(trajectory: Trajectory, cfg: RunConfig) -> bool:
-    """Whether a trajectory enters the loss: it scored, and (DAPO overlong filtering) was not cut off."""
-    if not trajectory.usable:
-        return False
-    return not (cfg.objective.mask_truncated and trajectory.finish_reason == "length")
+    def forward(
+        self, m: Any, b: TrainBatch, *, full: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(B, C) log-probs, and with `full` (the gradient pass) (B, C) entropies and, beside a
+        teacher, the (B, C, V) log-distribution."""
+        obj = self.cfg.objective
+        return token_distributions(
+            m,
+            b,
+            self.cfg.sampling.temperature,
+            with_entropy=full,
+            entropy_grad=full and obj.entropy_coef > 0,
+            bf16=self.bf16,
+            share_prefix=self.share,
+            with_full=full and self.teacher is not None,
+            fused=self.fused,
+        )
 
 
 def policy_update(
@@ -97,20 +119,95 @@ def policy_update(
     """
     started = time.perf_counter()
     obj, model = cfg.objective, policy.model
-    bf16 = use_bf16(cfg.model)
-    loss_fn = ALGORITHMS.resolve(cfg.algorithm).loss
-    correction_name = resolve_correction(obj.off_policy_correction, obj.tis_cap)
-    correction = build_correction(
-        correction_name,
-        cap=obj.tis_cap,
-        bounds=obj.off_policy_bounds,
-        sequence_ratio=sequence_ratio_loss(loss_fn),
+    prepared = prepare_update(policy, trajectories, token_advantages, cfg, teacher, dist)
+    if prepared is None:
+        return {"update/skipped": 1.0}
+    terms, batches, real = prepared.terms, prepared.batches, prepared.real
+    old_logprobs, ref_logprobs = fixed_logprobs(terms, policy, batches)
+    sums: dict[str, float] = {}
+    skipped = 0
+    grad_norms: list[float] = []
+    for iteration in range(obj.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        finite_loss = True
+        for i, b in enumerate(batches):
+            if not real[i]:
+                # fsdp padding: the forward and backward keep this rank in step with the others
+                # (each is a collective); a zero loss adds nothing to the gradient.
+                (terms.forward(model, b, full=True)[0].sum() * 0.0).backward()
+                continue
+            old_B_C = None if old_logprobs is None else old_logprobs[i]
+            ref_B_C = None if ref_logprobs is None else ref_logprobs[i]
+            loss = micro_batch_backward(
+                terms, model, b, old_B_C, ref_B_C, sums, first=iteration == 0
+            )
+            finite_loss = finite_loss and math.isfinite(loss)
+        grad_norm = optimizer_step(policy, optimizer, cfg.train.max_grad_norm, dist, finite_loss)
+        if grad_norm is None:
+            skipped += 1  # a non-finite loss or gradient would poison the weights: skip, count it
+        else:
+            grad_norms.append(grad_norm)
+
+    real_batches = [b for b, r in zip(batches, real, strict=True) if r]
+    forwarded_tokens = float(sum(b.mask_B_C.sum() for b in real_batches))
+    flops = _update_flops(policy, real_batches, cfg, terms.kl_in_loss, terms.share)
+    if dist is not None:
+        # Whole-batch metrics on every rank: the sums, the forwarded tokens and the FLOPs of all ranks.
+        sums = dist.all_reduce_sums(
+            {**sums, "_forwarded_tokens": forwarded_tokens, "_flops": flops}
+        )
+        forwarded_tokens, flops = sums.pop("_forwarded_tokens"), sums.pop("_flops")
+    metrics = update_metrics(
+        sums,
+        obj.num_iterations,
+        total_tokens=prepared.total_tokens,
+        forwarded_tokens=forwarded_tokens,
+        correction_name=prepared.correction_name,
     )
+    metrics.update(
+        {
+            "grad_norm": statistics.fmean(grad_norms) if grad_norms else float("nan"),
+            "update/skipped_nonfinite": float(skipped),
+            "update/rows_forwarded_frac": prepared.rows_forwarded / prepared.rows_trained,
+            "update/rows_trained": float(prepared.rows_trained),
+            "update/micro_batches": float(sum(real)),  # this rank's forwards (train.max_tokens_...)
+        }
+    )
+    seconds = time.perf_counter() - started
+    metrics["perf/update_gflops"] = flops / 1e9
+    metrics["perf/update_gflops_per_s"] = flops / 1e9 / seconds if seconds > 0 else float("nan")
+    return metrics
+
+
+@dataclass
+class PreparedUpdate:
+    """One update's micro-batches on the device (`real[i]` False for fsdp's padding ones), the
+    terms of their loss, and the counts its metrics are divided by."""
+
+    terms: UpdateTerms
+    batches: list[TrainBatch]
+    real: list[bool]
+    total_tokens: float  # policy tokens of every row that trains (the normaliser)
+    rows_trained: int
+    rows_forwarded: int  # rows_trained less the zero-advantage rows skipped
+    correction_name: str
+
+
+def prepare_update(
+    policy: Policy,
+    trajectories: Sequence[Trajectory],
+    token_advantages: Sequence[Sequence[float]],
+    cfg: RunConfig,
+    teacher: Any,
+    dist: DistContext | None,
+) -> PreparedUpdate | None:
+    """Which rows train and which are forwarded, the micro-batches (this rank's, on its device),
+    and the loss's terms; None when no row trains."""
+    obj, model = cfg.objective, policy.model
     usable = [i for i, t in enumerate(trajectories) if trains_on(t, cfg)]
     if not usable:
-        return {"update/skipped": 1.0}
+        return None
     kl_in_loss = obj.beta > 0 and not obj.kl_in_reward
-    pg_weight = 1.0 if teacher is None else cfg.distill.reward_weight
     # With no KL, entropy or teacher term, a row whose advantage is 0 adds exactly 0 to the gradient:
     # skip its forward and backward. The normalisers below still count it, so the update is
     # unchanged (tested). Late in a run most groups are all-right or all-wrong: this saves most of it.
@@ -121,7 +218,6 @@ def policy_update(
         and teacher is None
     )
     forwarded = [i for i in usable if not (skip_zero and not any(token_advantages[i]))]
-    pad_id = int(policy.tokenizer.pad_token_id)
     plan = RankPlan.make(
         trajectories,
         forwarded,
@@ -134,159 +230,188 @@ def policy_update(
     )
     # Collated on the host, one copy per tensor to the model's device (the rank's under torchrun).
     device = dist.device if dist is not None else device_of(model)
-    # Under fsdp the list ends with zero-weight padding micro-batches (RankPlan): `real` says which.
-    batches: list[TrainBatch] = [
+    pad_id = int(policy.tokenizer.pad_token_id)
+    batches = [
         plan.collate(trajectories, token_advantages, pad_id, chunk, device) for chunk in plan.chunks
     ]
-    real = [chunk is not plan.padding for chunk in plan.chunks]
     total_tokens = float(sum(trajectories[i].num_policy_tokens for i in usable))
-    forwarded_tokens = float(sum(b.mask_B_C.sum() for b, r in zip(batches, real, strict=True) if r))
-    norms = {
-        "total_tokens": total_tokens,
-        "total_sequences": float(len(usable)),
-        "norm_length": float(cfg.sampling.max_new_tokens),
-    }
-    temperature = cfg.sampling.temperature
-    # The distillation term needs the full distribution, which the fused head never builds: with a
-    # teacher every pass below takes the unfused head, so pi_old, pi_ref and pi_theta share one path.
-    share, fused = plan.share_prefix, plan.fused and teacher is None
+    loss_fn = ALGORITHMS.resolve(cfg.algorithm).loss
+    correction_name = resolve_correction(obj.off_policy_correction, obj.tis_cap)
+    terms = UpdateTerms(
+        cfg,
+        loss_fn,
+        build_correction(
+            correction_name,
+            cap=obj.tis_cap,
+            bounds=obj.off_policy_bounds,
+            sequence_ratio=sequence_ratio_loss(loss_fn),
+        ),
+        pg_weight=1.0 if teacher is None else cfg.distill.reward_weight,
+        kl_in_loss=kl_in_loss,
+        teacher=teacher,
+        norms={
+            "total_tokens": total_tokens,
+            "total_sequences": float(len(usable)),
+            "norm_length": float(cfg.sampling.max_new_tokens),
+        },
+        bf16=use_bf16(cfg.model),
+        # The distillation term needs the full distribution, which the fused head never builds:
+        # with a teacher every pass takes the unfused head, so pi_old, pi_ref and pi_theta share
+        # one path.
+        share=plan.share_prefix,
+        fused=plan.fused and teacher is None,
+    )
+    real = [chunk is not plan.padding for chunk in plan.chunks]
+    return PreparedUpdate(
+        terms, batches, real, total_tokens, len(usable), len(forwarded), correction_name
+    )
 
-    def forward(
-        m: Any, b: TrainBatch, *, full: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        return token_distributions(
-            m,
-            b,
-            temperature,
-            with_entropy=full,
-            entropy_grad=full and obj.entropy_coef > 0,
-            bf16=bf16,
-            share_prefix=share,
-            with_full=full and teacher is not None,
-            fused=fused,
-        )
 
-    # pi_old, pi_ref and the gradient pass: one mode (train, so gradient checkpointing applies
-    # alike), no dropout (the generator sampled without it: a gradient pass with dropout would score
-    # another, random policy), one forward path. The first ratio pi_theta / pi_old is then exactly 1,
-    # as it must be before any step.
+def fixed_logprobs(
+    terms: UpdateTerms, policy: Policy, batches: Sequence[TrainBatch]
+) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """pi_old's log-probs (only with num_iterations > 1) and pi_ref's (only with the KL in the
+    loss), per micro-batch, without gradient; and the model put in the update's mode.
+
+    pi_old, pi_ref and the gradient pass: one mode (train, so gradient checkpointing applies
+    alike), no dropout (the generator sampled without it: a gradient pass with dropout would score
+    another, random policy), one forward path. The first ratio pi_theta / pi_old is then exactly 1,
+    as it must be before any step."""
+    model = policy.model
     disable_dropout(model)
     model.train()
     with torch.no_grad():
         # On-policy (one update per batch) pi_old is the current policy: its log-probs come free from
         # the gradient pass (detached), for the ratio and for truncated IS alike; no extra forward.
-        needs_old = obj.num_iterations > 1
-        old_logprobs = [forward(model, b)[0] for b in batches] if needs_old else None
+        needs_old = terms.cfg.objective.num_iterations > 1
+        old_logprobs = [terms.forward(model, b)[0] for b in batches] if needs_old else None
         ref_logprobs = None
-        if kl_in_loss:
-            with policy.reference(bf16_matmuls=bf16) as ref:
-                ref_logprobs = [forward(ref, b)[0] for b in batches]
+        if terms.kl_in_loss:
+            with policy.reference(bf16_matmuls=terms.bf16) as ref:
+                ref_logprobs = [terms.forward(ref, b)[0] for b in batches]
+    return old_logprobs, ref_logprobs
 
-    sums: dict[str, float] = {}
+
+def micro_batch_backward(
+    terms: UpdateTerms,
+    model: Any,
+    b: TrainBatch,
+    old_logprobs_B_C: torch.Tensor | None,
+    ref_logprobs_B_C: torch.Tensor | None,
+    sums: dict[str, float],
+    *,
+    first: bool,
+) -> float:
+    """One micro-batch's loss, backpropagated (gradients accumulate); its per-token sums are added
+    to `sums`. `old_logprobs_B_C` None: on-policy, pi_old is this pass detached. `first`: the first
+    iteration over the batch, whose log-probs are compared with the sampler's. Returns the loss."""
+    obj, mask = terms.cfg.objective, b.mask_B_C
 
     def add(name: str, value: torch.Tensor) -> None:
         sums[name] = sums.get(name, 0.0) + float(value)
 
-    skipped = 0
-    grad_norms: list[float] = []
-    for iteration in range(obj.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
-        finite_loss = True
-        for i, b in enumerate(batches):
-            mask = b.mask_B_C
-            logp_B_C, entropy_B_C, full_B_C_V = forward(model, b, full=True)
-            assert entropy_B_C is not None
-            if not real[i]:
-                # fsdp padding: the forward and backward keep this rank in step with the others
-                # (each is a collective); a zero loss adds nothing to the gradient.
-                (logp_B_C.sum() * 0.0).backward()
-                continue
-            # Per-token inputs are read at policy positions only. Elsewhere (observations, padding)
-            # they may hold anything, even inf or nan (an unscored reference, a padding token), and
-            # a mask applied afterwards cannot stop 0 * inf = nan in the backward of exp or a product.
-            on_B_C = mask != 0
-            logp_B_C = torch.where(on_B_C, logp_B_C, 0.0)
-            old_B_C = logp_B_C.detach() if old_logprobs is None else old_logprobs[i]
-            old_B_C = torch.where(on_B_C, old_B_C, 0.0)
-            out = loss_fn(
-                logp_B_C,
-                old_B_C,
-                torch.where(on_B_C, b.advantages_B_C, 0.0),
-                mask,
-                epsilon=obj.epsilon,
-                epsilon_high=obj.epsilon_high,
-            )
-            per_token_B_C = out.loss_B_T * pg_weight
-            if correction is not None:
-                behaviour_B_C = torch.where(on_B_C, b.behaviour_logprobs_B_C, 0.0)
-                corrected = correction(old_B_C, behaviour_B_C, mask)
-                per_token_B_C = per_token_B_C * corrected.weights_B_T
-                add("tis_weight", zero_outside(corrected.weights_B_T, mask).sum())
-                add("tis_capped", corrected.clipped_B_T.sum())
-                add("off_policy_masked", corrected.masked_B_T.sum())
-            if ref_logprobs is not None:
-                ref_B_C = torch.where(on_B_C, ref_logprobs[i], 0.0)
-                kl_B_C = KL_ESTIMATORS[obj.kl_estimator](logp_B_C, ref_B_C)
-                per_token_B_C = per_token_B_C + obj.beta * kl_B_C
-                add("kl", zero_outside(kl_B_C.detach(), mask).sum())
-            if obj.entropy_coef > 0:
-                per_token_B_C = per_token_B_C - obj.entropy_coef * entropy_B_C
-            if teacher is not None:
-                assert full_B_C_V is not None
-                with torch.no_grad():
-                    teacher_B_C_V = token_distributions(
-                        teacher, b, temperature, bf16=bf16, share_prefix=share
-                    )[2]
-                assert teacher_B_C_V is not None
-                distill_B_C = full_reverse_kl(full_B_C_V, teacher_B_C_V)
-                per_token_B_C = per_token_B_C + distill_B_C
-                add("distill", zero_outside(distill_B_C.detach(), mask).sum())
-            loss = aggregate(per_token_B_C, mask, obj.loss_aggregation, **norms)
-            loss.backward()
-            finite_loss = finite_loss and math.isfinite(float(loss.detach()))
-            add("loss", loss.detach())
-            add("entropy", zero_outside(entropy_B_C.detach(), mask).sum())
-            add("clip_ratio/low_mean", zero_outside(out.clipped_low_B_T, mask).sum())
-            add("clip_ratio/high_mean", zero_outside(out.clipped_high_B_T, mask).sum())
-            if iteration == 0:  # later iterations score weights this update already moved
-                add(
-                    "behaviour_logprob_diff",
-                    zero_outside((logp_B_C.detach() - b.behaviour_logprobs_B_C).abs(), mask).sum(),
-                )
-        for p in policy.trainable_parameters():
-            if p.grad is None:  # every row skipped: a zero gradient, so AdamW still steps as usual
-                p.grad = torch.zeros_like(p)
-        if dist is not None:
-            # Sum over ranks before clipping, so the clipped norm is the whole batch's; the flag makes
-            # every rank skip (or take) the step together.
-            flag = dist.sum_gradients(policy.trainable_parameters(), [float(not finite_loss)])
-            finite_loss = flag[0] == 0
-        grad_norm = _as_float(
-            torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.train.max_grad_norm)
-        )
-        if not (math.isfinite(grad_norm) and finite_loss):
-            skipped += 1  # a non-finite loss or gradient would poison the weights: skip, count it
-            optimizer.zero_grad(set_to_none=True)
-            continue
-        grad_norms.append(grad_norm)
-        optimizer.step()
+    logp_B_C, entropy_B_C, full_B_C_V = terms.forward(model, b, full=True)
+    assert entropy_B_C is not None
+    # Per-token inputs are read at policy positions only. Elsewhere (observations, padding)
+    # they may hold anything, even inf or nan (an unscored reference, a padding token), and
+    # a mask applied afterwards cannot stop 0 * inf = nan in the backward of exp or a product.
+    on_B_C = mask != 0
+    logp_B_C = torch.where(on_B_C, logp_B_C, 0.0)
+    old_B_C = logp_B_C.detach() if old_logprobs_B_C is None else old_logprobs_B_C
+    old_B_C = torch.where(on_B_C, old_B_C, 0.0)
+    out = terms.loss_fn(
+        logp_B_C,
+        old_B_C,
+        torch.where(on_B_C, b.advantages_B_C, 0.0),
+        mask,
+        epsilon=obj.epsilon,
+        epsilon_high=obj.epsilon_high,
+    )
+    per_token_B_C = out.loss_B_T * terms.pg_weight
+    if terms.correction is not None:
+        behaviour_B_C = torch.where(on_B_C, b.behaviour_logprobs_B_C, 0.0)
+        corrected = terms.correction(old_B_C, behaviour_B_C, mask)
+        per_token_B_C = per_token_B_C * corrected.weights_B_T
+        add("tis_weight", zero_outside(corrected.weights_B_T, mask).sum())
+        add("tis_capped", corrected.clipped_B_T.sum())
+        add("off_policy_masked", corrected.masked_B_T.sum())
+    if ref_logprobs_B_C is not None:
+        ref_B_C = torch.where(on_B_C, ref_logprobs_B_C, 0.0)
+        kl_B_C = KL_ESTIMATORS[obj.kl_estimator](logp_B_C, ref_B_C)
+        per_token_B_C = per_token_B_C + obj.beta * kl_B_C
+        add("kl", zero_outside(kl_B_C.detach(), mask).sum())
+    if obj.entropy_coef > 0:
+        per_token_B_C = per_token_B_C - obj.entropy_coef * entropy_B_C
+    if terms.teacher is not None:
+        assert full_B_C_V is not None
+        with torch.no_grad():
+            teacher_B_C_V = token_distributions(
+                terms.teacher,
+                b,
+                terms.cfg.sampling.temperature,
+                bf16=terms.bf16,
+                share_prefix=terms.share,
+            )[2]
+        assert teacher_B_C_V is not None
+        distill_B_C = full_reverse_kl(full_B_C_V, teacher_B_C_V)
+        per_token_B_C = per_token_B_C + distill_B_C
+        add("distill", zero_outside(distill_B_C.detach(), mask).sum())
+    loss = aggregate(per_token_B_C, mask, obj.loss_aggregation, **terms.norms)
+    loss.backward()
+    add("loss", loss.detach())
+    add("entropy", zero_outside(entropy_B_C.detach(), mask).sum())
+    add("clip_ratio/low_mean", zero_outside(out.clipped_low_B_T, mask).sum())
+    add("clip_ratio/high_mean", zero_outside(out.clipped_high_B_T, mask).sum())
+    if first:  # later iterations score weights this update already moved
+        gap_B_C = (logp_B_C.detach() - b.behaviour_logprobs_B_C).abs()
+        add("behaviour_logprob_diff", zero_outside(gap_B_C, mask).sum())
+    return float(loss.detach())
 
-    real_batches = [b for b, r in zip(batches, real, strict=True) if r]
-    flops = _update_flops(policy, real_batches, cfg, kl_in_loss, share)
+
+def optimizer_step(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float,
+    dist: DistContext | None,
+    finite_loss: bool,
+) -> float | None:
+    """Clip the accumulated gradient and step; returns its norm, or None where the loss or the
+    gradient was not finite (the step is skipped: it would poison the weights)."""
+    for p in policy.trainable_parameters():
+        if p.grad is None:  # every row skipped: a zero gradient, so AdamW still steps as usual
+            p.grad = torch.zeros_like(p)
     if dist is not None:
-        # Whole-batch metrics on every rank: the sums, the forwarded tokens and the FLOPs of all ranks.
-        sums = dist.all_reduce_sums(
-            {**sums, "_forwarded_tokens": forwarded_tokens, "_flops": flops}
-        )
-        forwarded_tokens, flops = sums.pop("_forwarded_tokens"), sums.pop("_flops")
-    n_tok = total_tokens * obj.num_iterations
-    n_fwd = forwarded_tokens * obj.num_iterations
+        # Sum over ranks before clipping, so the clipped norm is the whole batch's; the flag makes
+        # every rank skip (or take) the step together.
+        flag = dist.sum_gradients(policy.trainable_parameters(), [float(not finite_loss)])
+        finite_loss = flag[0] == 0
+    grad_norm = _as_float(
+        torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), max_grad_norm)
+    )
+    if not (math.isfinite(grad_norm) and finite_loss):
+        optimizer.zero_grad(set_to_none=True)
+        return None
+    optimizer.step()
+    return grad_norm
+
+
+def update_metrics(
+    sums: dict[str, float],
+    num_iterations: int,
+    *,
+    total_tokens: float,
+    forwarded_tokens: float,
+    correction_name: str,
+) -> dict[str, float]:
+    """The update's per-token metrics from its whole-batch sums (TRL's names where TRL has one)."""
+    n_tok = total_tokens * num_iterations
+    n_fwd = forwarded_tokens * num_iterations
 
     def per_token(name: str, denominator: float) -> float:
         return sums.get(name, 0.0) / denominator if denominator else float("nan")
 
     metrics = {
-        "loss": sums.get("loss", 0.0) / obj.num_iterations,
+        "loss": sums.get("loss", 0.0) / num_iterations,
         # Entropy over the rows that were forwarded (all of them unless zero-advantage rows were skipped).
         "entropy": per_token("entropy", n_fwd),
         # Skipped rows have A = 0 and so cannot be clipped: the whole batch is the denominator.
@@ -294,17 +419,9 @@ def policy_update(
         "clip_ratio/high_mean": per_token("clip_ratio/high_mean", n_tok),
         "clip_ratio/region_mean": per_token("clip_ratio/low_mean", n_tok)
         + per_token("clip_ratio/high_mean", n_tok),
-        "grad_norm": statistics.fmean(grad_norms) if grad_norms else float("nan"),
-        "update/skipped_nonfinite": float(skipped),
-        "update/rows_forwarded_frac": len(forwarded) / len(usable),
-        "update/rows_trained": float(len(usable)),
-        "update/micro_batches": float(sum(real)),  # this rank's forwards (train.max_tokens_...)
         # Generator vs trainer log-prob gap on the same tokens (numerics, or a stale/other engine).
         "update/behaviour_logprob_abs_diff": per_token("behaviour_logprob_diff", forwarded_tokens),
     }
-    seconds = time.perf_counter() - started
-    metrics["perf/update_gflops"] = flops / 1e9
-    metrics["perf/update_gflops_per_s"] = flops / 1e9 / seconds if seconds > 0 else float("nan")
     if "kl" in sums:
         metrics["kl"] = per_token("kl", n_tok)
     if "tis_weight" in sums:
