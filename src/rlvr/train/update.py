@@ -109,13 +109,10 @@ def policy_update(
     did not sample: observations, glue); see rlvr.algorithms.credit. `teacher` (algorithm: distill)
     is the model whose full next-token distribution the student's is pulled towards.
 
-    Micro-batches accumulate gradients; the aggregation's normalisers are counted over the whole
-    batch, so the accumulated gradient equals the full-batch gradient.
-
-    `dist` (under torchrun, rlvr.scale.torch_dist): every rank passes the same full batch and forwards
-    only its shard of the rows; the normalisers still count the whole batch and the gradients are
-    summed over ranks before clipping, so every rank takes the step one process would take on the
-    whole batch. The metrics are whole-batch ones on every rank.
+    Micro-batches accumulate gradients; the aggregation's normalisers count the whole batch, so the
+    accumulated gradient equals the full-batch gradient. `dist` (torchrun): every rank passes the
+    whole batch and forwards its shard of the rows; gradients are summed over ranks before clipping,
+    so every rank takes the step one process would take; the metrics are whole-batch ones.
     """
     started = time.perf_counter()
     obj, model = cfg.objective, policy.model
@@ -149,14 +146,11 @@ def policy_update(
             grad_norms.append(grad_norm)
 
     real_batches = [b for b, r in zip(batches, real, strict=True) if r]
-    forwarded_tokens = float(sum(b.mask_B_C.sum() for b in real_batches))
-    flops = _update_flops(policy, real_batches, cfg, terms.kl_in_loss, terms.share)
-    if dist is not None:
-        # Whole-batch metrics on every rank: the sums, the forwarded tokens and the FLOPs of all ranks.
-        sums = dist.all_reduce_sums(
-            {**sums, "_forwarded_tokens": forwarded_tokens, "_flops": flops}
-        )
-        forwarded_tokens, flops = sums.pop("_forwarded_tokens"), sums.pop("_flops")
+    sums["_forwarded_tokens"] = float(sum(b.mask_B_C.sum() for b in real_batches))
+    sums["_flops"] = _update_flops(policy, real_batches, cfg, terms.kl_in_loss, terms.share)
+    if dist is not None:  # whole-batch metrics on every rank: the sums of all ranks
+        sums = dist.all_reduce_sums(sums)
+    forwarded_tokens, flops = sums.pop("_forwarded_tokens"), sums.pop("_flops")
     metrics = update_metrics(
         sums,
         obj.num_iterations,
