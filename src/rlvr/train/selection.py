@@ -161,7 +161,7 @@ def assign_credit(
     if not isinstance(algorithm, Algorithm):
         resolved: Algorithm = ALGORITHMS.resolve(cfg.algorithm if algorithm is None else algorithm)
         algorithm = resolved
-    obj, group_size = cfg.objective, cfg.sampling.group_size
+    obj = cfg.objective
     if obj.credit in ("turn", "gigpo") and not algorithm.group_relative:
         # Turn credit is group-relative over turn returns: another estimator would be silently unused.
         # GiGPO's step term is group-relative too, so its episode term must be (the paper's GRPO).
@@ -177,84 +177,137 @@ def assign_credit(
         metrics["overlong/penalised_frac"] = float((shaping_B < 0).float().mean())
     valid_B = torch.tensor([t.usable for t in trajectories], device=HOST)
     masks = [[float(m) for m in t.policy_mask[t.prompt_length :]] for t in trajectories]
-    kl_rows: list[list[float]] | None = None
+    kl_rows = None
     if ref_logprobs is not None and obj.beta > 0:
-        kl_fn = KL_ESTIMATORS[obj.kl_estimator]
-        kl_rows = []
-        # KL of the sampling policy's tokens (the behaviour log-probs) from the reference's, on the
-        # rows that scored only (an unscored row's reference log-probs were never computed).
-        for t, ref, mask in zip(trajectories, ref_logprobs, masks, strict=True):
-            if not t.usable:
-                kl_rows.append([0.0] * len(mask))
-                continue
-            behaviour = torch.tensor(
-                t.logprobs[t.prompt_length :], dtype=torch.float32, device=HOST
-            )
-            kl = kl_fn(behaviour, torch.tensor(list(ref), dtype=torch.float32, device=HOST))
-            kl_rows.append(zero_outside(kl, torch.tensor(mask, device=HOST)).tolist())
+        kl_rows = _kl_rows(trajectories, ref_logprobs, masks, obj.kl_estimator)
         n_tokens = sum(sum(m) for t, m in zip(trajectories, masks, strict=True) if t.usable)
         metrics["kl"] = sum(sum(r) for r in kl_rows) / max(n_tokens, 1.0)
-
     gae = algorithm.token_credit == "gae"
-    token_level = gae or (algorithm.token_credit == "reward_to_go" and kl_rows is not None)
-    if token_level:
-        mask_B_T = _padded(masks) * valid_B[:, None].float()
-        # Each turn's reward on its last policy token (single-turn: the outcome on the last token),
-        # the shaping on the very last one, minus beta * KL_t on every token when KL is in the reward.
-        rewards_B_T = token_level_rewards(
-            mask_B_T,
-            shaping_B * valid_B.float(),
-            [turn_reward_positions(t) if t.usable else [] for t in trajectories],
-            _padded(kl_rows) if kl_rows is not None else None,
-            obj.beta,
+    if gae or (algorithm.token_credit == "reward_to_go" and kl_rows is not None):
+        credit = _token_level_credit(
+            trajectories, masks, valid_B, shaping_B, kl_rows, values, algorithm, cfg
         )
-        if gae:
-            assert values is not None, f"{algorithm.name} needs the critic's values"
-            values_B_T = zero_outside(_padded(values), mask_B_T)
-            adv_B_T, returns_B_T = gae_advantages(
-                rewards_B_T, values_B_T, mask_B_T, obj.gamma, obj.gae_lambda
-            )
-            if obj.whiten_advantages:
-                adv_B_T = whiten(adv_B_T, mask_B_T)
-            return Credit(
-                _unpadded(zero_outside(adv_B_T, mask_B_T), masks),
-                returns=_unpadded(returns_B_T, masks),
-                old_values=_unpadded(values_B_T, masks),
-                metrics=metrics,
-            )
-        returns_B_T = reinforce_pp_returns(rewards_B_T, mask_B_T, obj.gamma)
-        adv_B_T = whiten(returns_B_T, mask_B_T) if obj.whiten_advantages else returns_B_T
-        return Credit(_unpadded(zero_outside(adv_B_T, mask_B_T), masks), metrics=metrics)
-
-    rewards = [t.reward for t in trajectories]
-    rewards_B = torch.tensor(rewards, dtype=torch.float32, device=HOST) + shaping_B
-    if kl_rows is not None:
-        rewards_B = rewards_B - obj.beta * torch.tensor([sum(r) for r in kl_rows], device=HOST)
-    assert algorithm.advantage is not None  # only GAE algorithms have none (Algorithm checks)
-    batch = AdvantageBatch(
-        rewards_B=rewards_B,
-        valid_B=valid_B,
-        group_size=group_size,
-        lengths_B=torch.tensor([t.num_policy_tokens for t in trajectories], device=HOST),
-        turns_B=torch.tensor([len(t.turns) for t in trajectories], device=HOST),
-        scale_rewards=obj.scale_rewards,
-        trajectories=trajectories,
-    )
-    advantages_B = algorithm.advantage(batch).tolist()
+        credit.metrics.update(metrics)
+        return credit
+    advantages_B = _outcome_advantages(trajectories, shaping_B, kl_rows, valid_B, algorithm, cfg)
     if obj.credit == "trajectory":
         return Credit(
             [token_advantages(t, a, None) for t, a in zip(trajectories, advantages_B, strict=True)],
             metrics=metrics,
         )
     shaped_turns = _shaped_turn_rewards(trajectories, shaping_B.tolist(), kl_rows, obj.beta)
+    return _per_turn_credit(
+        trajectories, advantages_B, shaped_turns, valid_B.tolist(), cfg, metrics
+    )
+
+
+def _outcome_advantages(
+    trajectories: Sequence[Trajectory],
+    shaping_B: torch.Tensor,
+    kl_rows: Sequence[Sequence[float]] | None,
+    valid_B: torch.Tensor,
+    algorithm: Algorithm,
+    cfg: RunConfig,
+) -> list[float]:
+    """One advantage per trajectory from the algorithm's advantage function, over the rewards with
+    the shaping and (KL in the reward) -beta x the trajectory's summed KL folded in."""
+    obj = cfg.objective
+    rewards_B = torch.tensor([t.reward for t in trajectories], dtype=torch.float32, device=HOST)
+    rewards_B = rewards_B + shaping_B
+    if kl_rows is not None:
+        rewards_B = rewards_B - obj.beta * torch.tensor([sum(r) for r in kl_rows], device=HOST)
+    assert algorithm.advantage is not None  # only GAE algorithms have none (Algorithm checks)
+    batch = AdvantageBatch(
+        rewards_B=rewards_B,
+        valid_B=valid_B,
+        group_size=cfg.sampling.group_size,
+        lengths_B=torch.tensor([t.num_policy_tokens for t in trajectories], device=HOST),
+        turns_B=torch.tensor([len(t.turns) for t in trajectories], device=HOST),
+        scale_rewards=obj.scale_rewards,
+        trajectories=trajectories,
+    )
+    return algorithm.advantage(batch).tolist()
+
+
+def _kl_rows(
+    trajectories: Sequence[Trajectory],
+    ref_logprobs: Sequence[Sequence[float]],
+    masks: Sequence[Sequence[float]],
+    estimator: str,
+) -> list[list[float]]:
+    """Per completion token, the KL estimate of the sampling policy's tokens (the behaviour
+    log-probs) from the reference's; 0 off the policy tokens and on the rows that did not score
+    (an unscored row's reference log-probs were never computed)."""
+    kl_fn = KL_ESTIMATORS[estimator]
+    kl_rows = []
+    for t, ref, mask in zip(trajectories, ref_logprobs, masks, strict=True):
+        if not t.usable:
+            kl_rows.append([0.0] * len(mask))
+            continue
+        behaviour = torch.tensor(t.logprobs[t.prompt_length :], dtype=torch.float32, device=HOST)
+        kl = kl_fn(behaviour, torch.tensor(list(ref), dtype=torch.float32, device=HOST))
+        kl_rows.append(zero_outside(kl, torch.tensor(mask, device=HOST)).tolist())
+    return kl_rows
+
+
+def _token_level_credit(
+    trajectories: Sequence[Trajectory],
+    masks: Sequence[Sequence[float]],
+    valid_B: torch.Tensor,
+    shaping_B: torch.Tensor,
+    kl_rows: Sequence[Sequence[float]] | None,
+    values: Sequence[Sequence[float]] | None,
+    algorithm: Algorithm,
+    cfg: RunConfig,
+) -> Credit:
+    """Per-token credit: GAE against the critic's `values` (ppo), or REINFORCE++'s whitened
+    reward-to-go when the KL is in the reward."""
+    obj = cfg.objective
+    mask_B_T = _padded(masks) * valid_B[:, None].float()
+    # Each turn's reward on its last policy token (single-turn: the outcome on the last token),
+    # the shaping on the very last one, minus beta * KL_t on every token when KL is in the reward.
+    rewards_B_T = token_level_rewards(
+        mask_B_T,
+        shaping_B * valid_B.float(),
+        [turn_reward_positions(t) if t.usable else [] for t in trajectories],
+        _padded(kl_rows) if kl_rows is not None else None,
+        obj.beta,
+    )
+    if algorithm.token_credit == "gae":
+        assert values is not None, f"{algorithm.name} needs the critic's values"
+        values_B_T = zero_outside(_padded(values), mask_B_T)
+        adv_B_T, returns_B_T = gae_advantages(
+            rewards_B_T, values_B_T, mask_B_T, obj.gamma, obj.gae_lambda
+        )
+        if obj.whiten_advantages:
+            adv_B_T = whiten(adv_B_T, mask_B_T)
+        return Credit(
+            _unpadded(zero_outside(adv_B_T, mask_B_T), masks),
+            returns=_unpadded(returns_B_T, masks),
+            old_values=_unpadded(values_B_T, masks),
+        )
+    returns_B_T = reinforce_pp_returns(rewards_B_T, mask_B_T, obj.gamma)
+    adv_B_T = whiten(returns_B_T, mask_B_T) if obj.whiten_advantages else returns_B_T
+    return Credit(_unpadded(zero_outside(adv_B_T, mask_B_T), masks))
+
+
+def _per_turn_credit(
+    trajectories: Sequence[Trajectory],
+    advantages_B: Sequence[float],
+    shaped_turns: Sequence[Sequence[float]],
+    valid: Sequence[bool],
+    cfg: RunConfig,
+    metrics: dict[str, float],
+) -> Credit:
+    """`objective.credit` gigpo, turn or bi-level: the episode advantages (`advantages_B`) with
+    group-relative step / turn advantages over the shaped turn rewards."""
+    obj, group_size = cfg.objective, cfg.sampling.group_size
     if obj.credit == "gigpo":
         keys = [turn_state_keys(t) for t in trajectories]
         step = gigpo_step_advantages(
-            keys, shaped_turns, valid_B.tolist(), group_size, obj.gamma, obj.scale_rewards
+            keys, shaped_turns, valid, group_size, obj.gamma, obj.scale_rewards
         )
-        metrics.update(
-            anchor_group_metrics(keys, shaped_turns, valid_B.tolist(), group_size, obj.gamma)
-        )
+        metrics.update(anchor_group_metrics(keys, shaped_turns, valid, group_size, obj.gamma))
         return Credit(
             [
                 token_advantages(t, a, s, obj.turn_weight)
@@ -265,11 +318,7 @@ def assign_credit(
             metrics=metrics,
         )
     per_turn = turn_advantages(
-        shaped_turns,
-        valid_B.tolist(),
-        group_size,
-        gamma=obj.gamma,
-        scale=obj.scale_rewards,
+        shaped_turns, valid, group_size, gamma=obj.gamma, scale=obj.scale_rewards
     )
     outcome = advantages_B if obj.credit == "bi-level" else [0.0] * len(trajectories)
     weight = obj.turn_weight if obj.credit == "bi-level" else 1.0
