@@ -117,11 +117,22 @@ def test_server_backend_launches_rlvr_serve(
         tiny_config_dir, tiny_model_dir, run_dir, "train.steps=2",
         "generator.backend=server", "generator.launch=rlvr", "eval.at_end=false",
     )  # fmt: skip
+    shm = Path("/dev/shm")
+    before = set(shm.glob("rlvr-sync-*")) if shm.is_dir() else set()
     train(cfg, config_dir=tiny_config_dir)
     rows = _rows(run_dir)
     tolerance = _gap_tolerance(cfg)
     assert len(rows) == 2 and max(r["update/behaviour_logprob_abs_diff"] for r in rows) < tolerance
     assert (run_dir / "generator_server.log").exists()
+    # Each step's sync logged; rlvr serve runs fp32, so its syncs are fp32 (4 bytes a weight).
+    weights = sum(p.numel() for p in load_policy(str(tiny_model_dir)).model.parameters())
+    assert all(r["sync/weight_bytes"] >= 4 * weights for r in rows), rows
+    assert all(r["sync/weight_seconds"] > 0 for r in rows)
+    # Launched on this machine: the syncs went to shared memory (it has room for the tiny
+    # model), not the run directory, and the folder made for them is gone once the run ended.
+    if shm.is_dir():
+        assert not (run_dir / "weight_sync").exists()
+        assert set(shm.glob("rlvr-sync-*")) <= before
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 from fastapi import FastAPI
+from safetensors import safe_open
 
 from rlvr.config import GeneratorConfig, ModelConfig, RunConfig
 from rlvr.models import LoraSettings, Policy, load_policy
@@ -284,6 +285,7 @@ def test_a_tied_head_is_written_into_every_full_sync(tiny_model_dir: Path, tmp_p
         gen = ServerGenerator(server.base_url, "tiny", weight_sync="full", sync_dir=tmp_path)
         gen.sync_weights(learner, step=1)
         assert (tmp_path / "full-step-1" / "lm_head.safetensors").is_file()
+        assert gen.last_sync["sync/weight_bytes"] > 0 and gen.last_sync["sync/weight_seconds"] > 0
         assert torch.equal(
             state.model.get_output_embeddings().weight,
             learner.model.get_input_embeddings().weight,
@@ -409,3 +411,82 @@ def test_the_mismatch_threshold_follows_the_vllm_dtype() -> None:
         precision("generator.vllm.dtype=float32", "generator.launch_args=['--dtype','bfloat16']")
         == "bf16"
     )
+
+
+def test_a_bf16_sync_sends_half_the_bytes_and_the_server_gets_the_rounded_weights(
+    fresh: Served, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 35 (3): a bf16 server gets bf16 files (half the bytes of fp32), and what it loads is
+    exactly the learner's weights rounded to bf16, which it would have rounded them to anyway."""
+    learner = load_policy(str(tiny_model_dir))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    sent = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = ServerGenerator(
+            fresh.url, "tiny", weight_sync="full", sync_dir=tmp_path / str(dtype), sync_dtype=dtype
+        )
+        gen.sync_weights(learner, step=1)
+        files = sorted((tmp_path / str(dtype) / "full-step-1").glob("*.safetensors"))
+        with safe_open(str(files[0]), framework="pt") as handle:
+            names = list(handle.keys())  # a safetensors handle is not iterable
+            assert {handle.get_tensor(k).dtype for k in names} == {dtype}
+        sent[dtype] = gen.last_sync["sync/weight_bytes"]
+        gen.close()
+    assert sent[torch.bfloat16] == pytest.approx(sent[torch.float32] / 2, rel=0.01)
+    served = dict(fresh.state.model.named_parameters())
+    for name, p in learner.model.named_parameters():
+        assert torch.equal(served[name], p.detach().to(torch.bfloat16).float()), name
+
+
+def test_the_sync_dtype_follows_the_server(tmp_path: Path) -> None:
+    def dtype(**fields: object) -> str:
+        return GeneratorConfig.model_validate({"backend": "server", **fields}).resolved_sync_dtype()
+
+    assert dtype(launch="vllm") == "bfloat16"  # generator.vllm.dtype's default
+    assert dtype(launch="vllm", vllm={"dtype": "float32"}) == "float32"
+    assert dtype(launch="vllm", vllm={"dtype": "auto"}) == "float32"  # vLLM casts as it likes
+    assert dtype(launch="vllm", launch_args=["--dtype=half"]) == "float16"  # argv wins
+    assert dtype(launch="rlvr") == "float32"
+    assert dtype(url="http://h:8000/v1") == "float32"  # a server rlvr did not start: unknown
+    assert dtype(url="http://h:8000/v1", vllm={"dtype": "bfloat16"}) == "bfloat16"
+    assert dtype(launch="vllm", sync_dtype="float32") == "float32"
+
+
+def test_a_launched_server_syncs_through_shared_memory(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server rlvr launches reads syncs from a fresh folder in shared memory, removed at close;
+    without room for two syncs (a container's 64 MB /dev/shm) the run directory, with a warning;
+    a server at a URL, or a sync_dir given, gets what the config says."""
+    from rlvr.rollout import server
+
+    policy = load_policy(str(tiny_model_dir))
+    shared = tmp_path / "shm"
+    shared.mkdir()
+    launched = GeneratorConfig(backend="server", launch="rlvr")
+    folder, owned = server.choose_sync_dir(launched, tmp_path / "run", policy, shared)
+    assert owned and folder.parent == shared and folder.is_dir()
+    gen = ServerGenerator.__new__(ServerGenerator)  # close() only: no server to talk to
+    gen.pool, gen._synced, gen.process, gen.client = None, None, None, httpx.Client()
+    gen.sync_dir, gen.owns_sync_dir = folder, owned
+    gen.close()
+    assert not folder.exists()
+
+    at_url = GeneratorConfig(backend="server", url="http://h:8000/v1")
+    assert server.choose_sync_dir(at_url, tmp_path / "run", policy, shared) == (
+        tmp_path / "run" / "weight_sync",
+        False,
+    )
+    given = GeneratorConfig(backend="server", launch="rlvr", sync_dir=str(tmp_path / "mine"))
+    assert server.choose_sync_dir(given, tmp_path, policy, shared) == (tmp_path / "mine", False)
+
+    class Tiny:  # 64 MiB in all, 1 MiB free
+        f_frsize, f_blocks, f_bavail = 4096, 16384, 256
+
+    monkeypatch.setattr(server.os, "statvfs", lambda path: Tiny())
+    with pytest.warns(UserWarning, match="weight syncs go to .*weight_sync"):
+        folder, owned = server.choose_sync_dir(launched, tmp_path / "run", policy, shared)
+    assert (folder, owned) == (tmp_path / "run" / "weight_sync", False)

@@ -144,8 +144,17 @@ class GeneratorConfig(_Section):
     )
     sync_dir: str | None = Field(
         None,
-        description="Where synced weights are written (a path the server can read); "
-        "default RUN_DIR/weight_sync.",
+        description="Where synced weights are written (a path the server can read). Default: for a "
+        "launched server, a folder in shared memory (/dev/shm, removed at close) when it has room "
+        "for two copies of the weights, so a sync never touches the disk; else RUN_DIR/weight_sync.",
+    )
+    sync_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="dtype of a full-weight sync's files. auto = the dtype the server computes in: "
+        "a launched vLLM's generator.vllm.dtype (or a --dtype in launch_args), float32 for rlvr "
+        "serve and for vLLM's own `auto` rule; for a server at generator.url, float32 unless "
+        "generator.vllm.dtype is set (rlvr cannot ask a vLLM its dtype). A bf16 server gets half "
+        "the bytes of an fp32 sync and loses nothing it would have kept.",
     )
     request_timeout_s: float = Field(600.0, gt=0.0)
     max_concurrency: int = Field(32, ge=1, description="Requests in flight at once.")
@@ -164,6 +173,31 @@ class GeneratorConfig(_Section):
         "memory free when each rollout starts (the model's GPU, else the host's MemAvailable), "
         "at least 1024.",
     )
+
+    def served_dtype(self) -> str:
+        """The dtype the server runs, as the config says it: `--dtype` in launch_args (as in argv,
+        it wins), else generator.vllm.dtype; float32 for rlvr serve. vLLM's names ("auto",
+        "float", "half" too) are returned as given."""
+        if self.launch == "rlvr":
+            return "float32"
+        for i, arg in enumerate(self.launch_args):
+            if arg == "--dtype" and i + 1 < len(self.launch_args):
+                return self.launch_args[i + 1]
+            if arg.startswith("--dtype="):
+                return arg.split("=", 1)[1]
+        return self.vllm.dtype
+
+    def resolved_sync_dtype(self) -> str:
+        """generator.sync_dtype with auto resolved: bfloat16, float16 or float32."""
+        if self.sync_dtype != "auto":
+            return self.sync_dtype
+        at_url = self.launch is None
+        if at_url and "dtype" not in self.vllm.model_fields_set:
+            return "float32"  # a server rlvr did not launch: its dtype is unknown
+        served = self.served_dtype()
+        return {"bfloat16": "bfloat16", "float16": "float16", "half": "float16"}.get(
+            served, "float32"
+        )
 
     @field_validator("turn_cache_mb", mode="before")
     @classmethod

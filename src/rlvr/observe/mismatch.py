@@ -22,7 +22,6 @@ scoring lives with the trainer in rlvr.train.canary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rlvr.config import RunConfig, bf16_sampling_copy
@@ -71,7 +70,7 @@ def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
     # The server's own dtype, as launched: a threshold for bf16 would hide an fp32 server's real
     # defects (a stale tied head after a sync: ~3e-3 per token, under 0.03, 400x fp32 noise).
     fp32_dtypes = ("float32", "float")  # vLLM's names for fp32
-    served_dtype = launch_dtype(g.launch_args) or g.vllm.dtype  # launch_args win, as in argv
+    served_dtype = g.served_dtype()  # launch_args win, as in argv
     vllm_fp32 = g.launch == "vllm" and served_dtype in fp32_dtypes
     vllm_fp32 = vllm_fp32 and g.backend == "server"
     # In process the sampler never autocasts (rlvr.build); a bf16 copy is asked below.
@@ -99,16 +98,6 @@ def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
         not_read = "vLLM renormalises log-probs over the top-p nucleus"
     keys = (CANARY_METRIC,) if not_read else (CANARY_METRIC, BEHAVIOUR_METRIC)
     return MismatchSetup(precision, threshold, why, keys, not_read)
-
-
-def launch_dtype(launch_args: Sequence[str]) -> str | None:
-    """The value of `--dtype` (`--dtype X` or `--dtype=X`) in a server's launch arguments, or None."""
-    for i, arg in enumerate(launch_args):
-        if arg == "--dtype" and i + 1 < len(launch_args):
-            return launch_args[i + 1]
-        if arg.startswith("--dtype="):
-            return arg.split("=", 1)[1]
-    return None
 
 
 def sampler_mismatch(history: History, s: MismatchSetup) -> Finding | None:

@@ -20,8 +20,14 @@ After each update `sync_weights` moves the learner's weights to the server:
   the same server never asks for a name the server already holds: vLLM answers 400 "already been
   loaded"); later requests name it as `model`; the previous one is unloaded, and the last one at
   `close()`;
-- full: the (merged) weights are saved to SYNC_DIR/full-step-N and the server reloads them in place
-  (/collective_rpc reload_weights, then /reset_prefix_cache: vLLM's dev-mode endpoints). A model
+- full: the (merged) weights are written to SYNC_DIR/full-step-N as safetensors shards in the
+  dtype the server computes in (`generator.sync_dtype`: bf16 for a bf16 vLLM, half the bytes of
+  fp32), cast one tensor at a time, and the server reloads them in place (/collective_rpc
+  reload_weights, then /reset_prefix_cache: vLLM's dev-mode endpoints). For a server rlvr
+  launches, SYNC_DIR defaults to a folder in shared memory (/dev/shm), so a sync is a copy through
+  RAM, never the disk (`choose_sync_dir`). vLLM's NCCL weight transfer (GPU to GPU, no copy on the
+  host) is not used yet. Each sync's bytes and seconds are logged (`sync/weight_bytes`,
+  `sync/weight_seconds`). A model
   whose output head is tied to its input embedding (SmolLM2, Qwen2.5-0.5B/1.5B, Llama 3.2 1B/3B)
   gets `lm_head.weight` written explicitly, and a launched vLLM runs it untied
   (`--hf-overrides {"tie_word_embeddings": false}`): vLLM's reload_weights skips the head of a tied
@@ -104,6 +110,8 @@ class ServerGenerator:
         stop_token_ids: Sequence[int] = (),
         process: subprocess.Popen[bytes] | None = None,
         api_key: str | None = None,
+        sync_dtype: torch.dtype = torch.float32,
+        owns_sync_dir: bool = False,
     ) -> None:
         self.root = server_root(base_url)
         self.seed = seed
@@ -111,6 +119,11 @@ class ServerGenerator:
         self.max_concurrency = max_concurrency
         self.weight_sync = weight_sync
         self.sync_dir = Path(sync_dir) if sync_dir is not None else None
+        self.sync_dtype = sync_dtype  # of a full sync's files (generator.sync_dtype)
+        self.owns_sync_dir = (
+            owns_sync_dir  # made for this generator (shared memory): removed at close
+        )
+        self.last_sync: dict[str, float] = {}  # sync/weight_bytes, sync/weight_seconds
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.process = process
         self.api_key = api_key  # torchrun: rank 0 hands it to the other ranks (same server)
@@ -266,6 +279,7 @@ class ServerGenerator:
         if self.sync_dir is None:
             raise ConfigError("generator.weight_sync needs a sync_dir the server can read")
         previous = self._synced
+        started = time.perf_counter()
         if mode == "lora":
             if not policy.lora:
                 raise ConfigError("generator.weight_sync lora needs a LoRA policy (model.lora)")
@@ -288,7 +302,8 @@ class ServerGenerator:
                 self._post("/v1/unload_lora_adapter", {"lora_name": previous[0]})
         else:
             folder = write_folder(
-                self.sync_dir / f"full-step-{step}", lambda d: save_full(policy, d, full_state)
+                self.sync_dir / f"full-step-{step}",
+                lambda d: save_full(policy, d, full_state, dtype=self.sync_dtype),
             )
             self._post(
                 "/collective_rpc",
@@ -300,6 +315,12 @@ class ServerGenerator:
             self._synced = ("", folder)
         if previous is not None and previous[1] != folder:
             shutil.rmtree(previous[1], ignore_errors=True)  # the server no longer reads it
+        self.last_sync = {
+            "sync/weight_bytes": float(
+                sum(f.stat().st_size for f in folder.rglob("*.safetensors"))
+            ),
+            "sync/weight_seconds": time.perf_counter() - started,
+        }
 
     # ---------------------------------------------------------------------------------------- close
     def close(self) -> None:
@@ -318,6 +339,8 @@ class ServerGenerator:
         if self.process is not None:
             stop_process(self.process)
             self.process = None
+        if self.owns_sync_dir and self.sync_dir is not None:
+            shutil.rmtree(self.sync_dir, ignore_errors=True)  # shared memory is the host's RAM
 
     def __enter__(self) -> ServerGenerator:
         return self
@@ -370,22 +393,39 @@ def write_folder(target: Path, write: Callable[[str], Any]) -> Path:
 
 @torch.no_grad()
 def save_full(
-    policy: Policy, folder: str, full_state: dict[str, torch.Tensor] | None = None
+    policy: Policy,
+    folder: str,
+    full_state: dict[str, torch.Tensor] | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    shard_bytes: int = 2**30,
 ) -> None:
-    """save_pretrained of the policy's full weights: a plain model as is, a LoRA policy merged
+    """The policy's full weights as safetensors shards in `dtype` (what the server computes in:
+    a bf16 server gets half the bytes of fp32): a plain model as is, a LoRA policy merged
     (W + scale * B @ A per adapted layer) without touching its own weights. `full_state`: the
-    unsharded state dict (fsdp), saved in place of the model's own tensors."""
+    unsharded state dict (fsdp), saved in place of the model's own tensors. Tensors are cast one
+    at a time and written in shards of about `shard_bytes`, so the host holds one shard's copy,
+    never a second whole model. Names are the checkpoint's (transformers'); a tied head is left
+    out, as save_pretrained leaves it, and added by `write_tied_head`."""
     model = policy.model
-    if not policy.lora:
-        model.save_pretrained(folder, state_dict=full_state)
-        head = None if full_state is None else full_state.get(tied_head_name(model) or "")
-        write_tied_head(model, folder, head)
-        return
-    if full_state is not None:
+    if policy.lora and full_state is not None:
         raise ConfigError(
             "generator.weight_sync full with a LoRA policy under fsdp is not supported: use "
             "weight_sync lora (the adapter alone is synced)"
         )
+    base = model.get_base_model() if policy.lora else model
+    state = full_state if full_state is not None else _merged_state(policy)
+    tied = tied_head_name(base)
+    write_shards(((n, t) for n, t in state.items() if n != tied), Path(folder), dtype, shard_bytes)
+    head = None if full_state is None or tied is None else full_state.get(tied)
+    write_tied_head(base, folder, head, dtype=dtype)
+
+
+def _merged_state(policy: Policy) -> dict[str, torch.Tensor]:
+    """The policy's weights under the base model's names: a LoRA policy's adapted layers merged."""
+    model = policy.model
+    if not policy.lora:
+        return dict(model.state_dict())
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     base = model.get_base_model()
@@ -398,13 +438,37 @@ def save_full(
                 if adapter in module.lora_A:
                     weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
             merged[f"{name}.base_layer.weight"] = weight
-    state = {
-        key.replace(".base_layer", ""): merged.get(key, tensor).detach().cpu().contiguous()
+    return {
+        key.replace(".base_layer", ""): merged.get(key, tensor)
         for key, tensor in base.state_dict().items()
         if "lora_" not in key
     }
-    base.save_pretrained(folder, state_dict=state)
-    write_tied_head(base, folder)
+
+
+def write_shards(tensors: Any, folder: Path, dtype: torch.dtype, shard_bytes: int = 2**30) -> None:
+    """(name, tensor) pairs into `model-0000k.safetensors` files of about `shard_bytes` each, every
+    floating tensor cast to `dtype` on the host (integer buffers stay as they are)."""
+    from safetensors.torch import save_file
+
+    shard: dict[str, torch.Tensor] = {}
+    size, index = 0, 0
+
+    def flush() -> None:
+        nonlocal shard, size, index
+        if shard:
+            index += 1
+            path = folder / f"model-{index:05d}.safetensors"
+            save_file(shard, str(path), metadata={"format": "pt"})
+        shard, size = {}, 0
+
+    for name, tensor in tensors:
+        out = tensor.detach()
+        out = out.to("cpu", dtype if out.is_floating_point() else out.dtype, copy=True)
+        shard[name] = out.contiguous()
+        size += out.numel() * out.element_size()
+        if size >= shard_bytes:
+            flush()
+    flush()
 
 
 def tied_head_name(model: Any) -> str | None:
@@ -416,7 +480,13 @@ def tied_head_name(model: Any) -> str | None:
     return next(f"{n}.weight" for n, m in model.named_modules() if m is head)
 
 
-def write_tied_head(model: Any, folder: str | Path, head: torch.Tensor | None = None) -> None:
+def write_tied_head(
+    model: Any,
+    folder: str | Path,
+    head: torch.Tensor | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Add a tied output head to a save_pretrained folder, which leaves it out (the loader reties
     it). vLLM's in-place reload_weights does not retie, so a server running the model untied
     (`--hf-overrides {"tie_word_embeddings": false}`) needs the head in every sync folder. Written
@@ -435,7 +505,7 @@ def write_tied_head(model: Any, folder: str | Path, head: torch.Tensor | None = 
                 return
     if head is None:
         head = model.get_output_embeddings().weight
-    head = head.detach().cpu().contiguous().clone()
+    head = head.detach().to("cpu", dtype or head.dtype, copy=True).contiguous()
     save_file({name: head}, str(folder / "lm_head.safetensors"), metadata={"format": "pt"})
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -605,6 +675,37 @@ def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> N
 
 
 # --------------------------------------------------------------------------------------------- build
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def choose_sync_dir(
+    cfg: GeneratorConfig, run_dir: Path, policy: Policy, shared: Path = SHARED_MEMORY
+) -> tuple[Path, bool]:
+    """Where syncs are written, and whether the generator made it (and removes it at close).
+    generator.sync_dir when set; for a server rlvr launches (on this machine), a fresh folder in
+    shared memory when it has room for two syncs (the old folder is removed only after the server
+    loaded the new one), with a quarter of it to spare; else RUN_DIR/weight_sync. A container's
+    /dev/shm is often 64 MB: then the run directory is used, and said once."""
+    if cfg.sync_dir:
+        return Path(cfg.sync_dir), False
+    fallback = run_dir / "weight_sync"
+    if not cfg.launch or not shared.is_dir() or not os.access(shared, os.W_OK):
+        return fallback, False
+    params = {id(p): p for p in policy.model.parameters()}.values()
+    width = torch.finfo(getattr(torch, cfg.resolved_sync_dtype())).bits // 8
+    one_sync = sum(p.numel() for p in params) * width
+    stats = os.statvfs(shared)
+    free = stats.f_bavail * stats.f_frsize
+    if free < 2 * one_sync or free - 2 * one_sync < 0.25 * stats.f_blocks * stats.f_frsize:
+        warnings.warn(
+            f"weight syncs go to {fallback} (disk): {shared} has {free / 2**30:.1f} GiB free, two "
+            f"syncs need {2 * one_sync / 2**30:.1f} GiB (set generator.sync_dir to choose)",
+            stacklevel=2,
+        )
+        return fallback, False
+    return Path(tempfile.mkdtemp(dir=shared, prefix="rlvr-sync-")), True
+
+
 def build_server_generator(
     policy: Policy,
     cfg: GeneratorConfig | RunConfig,
@@ -649,6 +750,7 @@ def build_server_generator(
         )
     else:
         raise ConfigError("generator.backend server needs generator.url or generator.launch")
+    sync_dir, owned = choose_sync_dir(cfg, run_dir, policy)
     try:
         generator = ServerGenerator(
             base_url,
@@ -656,10 +758,12 @@ def build_server_generator(
             max_concurrency=cfg.max_concurrency,
             request_timeout_s=cfg.request_timeout_s,
             weight_sync=mode,
-            sync_dir=cfg.sync_dir or run_dir / "weight_sync",
+            sync_dir=sync_dir,
             stop_token_ids=sorted(eos_token_ids(base, policy.tokenizer)),
             process=process,
             api_key=api_key,
+            sync_dtype=getattr(torch, cfg.resolved_sync_dtype()),
+            owns_sync_dir=owned,
         )
     except BaseException:
         if process is not None:

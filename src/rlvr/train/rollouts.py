@@ -163,6 +163,10 @@ class RolloutPlan:
         if self.canary_gaps:
             out["sync/canary_logprob_abs_diff"] = max(self.canary_gaps)
             self.canary_gaps.clear()
+        # A server's last sync: its files' bytes and the seconds from writing them to reloaded.
+        if getattr(self.generator, "last_sync", None):
+            out.update(self.generator.last_sync)
+            self.generator.last_sync = {}
         return out
 
     def _server_generator(self, run_dir: Path, seed: int) -> Any:
