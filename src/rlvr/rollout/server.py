@@ -67,6 +67,7 @@ from rlvr.errors import ConfigError, RlvrError
 from rlvr.models import Policy, eos_token_ids, resolve_model_path
 from rlvr.observe.watchdog import watch
 from rlvr.rollout.generator import Completion, SamplingParams
+from rlvr.rollout.weight_files import write_shards
 from rlvr.serve.auth import API_KEY_ENV
 
 MASK64 = (1 << 64) - 1
@@ -404,8 +405,8 @@ def save_full(
     a bf16 server gets half the bytes of fp32): a plain model as is, a LoRA policy merged
     (W + scale * B @ A per adapted layer) without touching its own weights. `full_state`: the
     unsharded state dict (fsdp), saved in place of the model's own tensors. Tensors are cast one
-    at a time and written in shards of about `shard_bytes`, so the host holds one shard's copy,
-    never a second whole model. Names are the checkpoint's (transformers'); a tied head is left
+    at a time through one scratch buffer and streamed into shards of about `shard_bytes`
+    (rlvr.rollout.weight_files): the host never holds a second copy of the model. Names are the checkpoint's (transformers'); a tied head is left
     out, as save_pretrained leaves it, and added by `write_tied_head`."""
     model = policy.model
     if policy.lora and full_state is not None:
@@ -443,32 +444,6 @@ def _merged_state(policy: Policy) -> dict[str, torch.Tensor]:
         for key, tensor in base.state_dict().items()
         if "lora_" not in key
     }
-
-
-def write_shards(tensors: Any, folder: Path, dtype: torch.dtype, shard_bytes: int = 2**30) -> None:
-    """(name, tensor) pairs into `model-0000k.safetensors` files of about `shard_bytes` each, every
-    floating tensor cast to `dtype` on the host (integer buffers stay as they are)."""
-    from safetensors.torch import save_file
-
-    shard: dict[str, torch.Tensor] = {}
-    size, index = 0, 0
-
-    def flush() -> None:
-        nonlocal shard, size, index
-        if shard:
-            index += 1
-            path = folder / f"model-{index:05d}.safetensors"
-            save_file(shard, str(path), metadata={"format": "pt"})
-        shard, size = {}, 0
-
-    for name, tensor in tensors:
-        out = tensor.detach()
-        out = out.to("cpu", dtype if out.is_floating_point() else out.dtype, copy=True)
-        shard[name] = out.contiguous()
-        size += out.numel() * out.element_size()
-        if size >= shard_bytes:
-            flush()
-    flush()
 
 
 def tied_head_name(model: Any) -> str | None:
