@@ -466,6 +466,14 @@ def test_a_launched_server_syncs_through_shared_memory(
     policy = load_policy(str(tiny_model_dir))
     shared = tmp_path / "shm"
     shared.mkdir()
+
+    class Roomy:  # 64 GiB in all, 60 free: whatever the disk under tmp_path has
+        f_frsize, f_blocks, f_bavail = 4096, 16 * 2**20, 15 * 2**20
+
+    class Tiny:  # 64 MiB in all, 1 MiB free
+        f_frsize, f_blocks, f_bavail = 4096, 16384, 256
+
+    monkeypatch.setattr(server.os, "statvfs", lambda path: Roomy())
     launched = GeneratorConfig(backend="server", launch="rlvr")
     folder, owned = server.choose_sync_dir(launched, tmp_path / "run", policy, shared)
     assert owned and folder.parent == shared and folder.is_dir()
@@ -482,9 +490,6 @@ def test_a_launched_server_syncs_through_shared_memory(
     )
     given = GeneratorConfig(backend="server", launch="rlvr", sync_dir=str(tmp_path / "mine"))
     assert server.choose_sync_dir(given, tmp_path, policy, shared) == (tmp_path / "mine", False)
-
-    class Tiny:  # 64 MiB in all, 1 MiB free
-        f_frsize, f_blocks, f_bavail = 4096, 16384, 256
 
     monkeypatch.setattr(server.os, "statvfs", lambda path: Tiny())
     with pytest.warns(UserWarning, match="weight syncs go to .*weight_sync"):
