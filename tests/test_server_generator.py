@@ -495,3 +495,23 @@ def test_a_launched_server_syncs_through_shared_memory(
     with pytest.warns(UserWarning, match="weight syncs go to .*weight_sync"):
         folder, owned = server.choose_sync_dir(launched, tmp_path / "run", policy, shared)
     assert (folder, owned) == (tmp_path / "run" / "weight_sync", False)
+
+
+def test_a_killed_run_removes_its_shared_memory_folder(tmp_path: Path) -> None:
+    """The hang watchdog ends the process with os._exit (no close, no atexit): RolloutPlan.abandon
+    removes the sync folder made in shared memory, which would hold RAM until the next reboot."""
+    from types import SimpleNamespace
+
+    from rlvr.train.rollouts import RolloutPlan
+
+    folder = tmp_path / "rlvr-sync-x"
+    (folder / "full-step-3").mkdir(parents=True)
+    generator = SimpleNamespace(process=None, owns_sync_dir=True, sync_dir=folder)
+    RolloutPlan.abandon(SimpleNamespace(generator=generator))  # type: ignore[arg-type]
+    assert not folder.exists()
+    kept = tmp_path / "given"
+    kept.mkdir()
+    RolloutPlan.abandon(  # type: ignore[arg-type]
+        SimpleNamespace(generator=SimpleNamespace(process=None, owns_sync_dir=False, sync_dir=kept))
+    )
+    assert kept.exists()  # a sync_dir the user gave is theirs

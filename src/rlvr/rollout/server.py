@@ -406,8 +406,9 @@ def save_full(
     (W + scale * B @ A per adapted layer) without touching its own weights. `full_state`: the
     unsharded state dict (fsdp), saved in place of the model's own tensors. Tensors are cast one
     at a time through one scratch buffer and streamed into shards of about `shard_bytes`
-    (rlvr.rollout.weight_files): the host never holds a second copy of the model. Names are the checkpoint's (transformers'); a tied head is left
-    out, as save_pretrained leaves it, and added by `write_tied_head`."""
+    (rlvr.rollout.weight_files): the host never holds a second copy of the model. Names are the
+    checkpoint's (transformers'); a tied head is left out, as save_pretrained leaves it, and added
+    by `write_tied_head`."""
     model = policy.model
     if policy.lora and full_state is not None:
         raise ConfigError(
@@ -743,6 +744,8 @@ def build_server_generator(
     except BaseException:
         if process is not None:
             stop_process(process)
+        if owned:
+            shutil.rmtree(sync_dir, ignore_errors=True)
         raise
     if initial_sync:
         try:

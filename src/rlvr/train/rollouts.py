@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +256,8 @@ class RolloutPlan:
             from rlvr.rollout.server import stop_process
 
             stop_process(process, timeout_s=2.0)
+        if getattr(self.generator, "owns_sync_dir", False):  # shared memory would outlive it too
+            shutil.rmtree(self.generator.sync_dir, ignore_errors=True)
 
     def after_update(self, step: int) -> None:
         """Send the updated weights to whatever samples."""
