@@ -214,7 +214,10 @@ def _check(tmp_path: Path, runs: dict[str, tuple[Path, list[str]]]) -> None:
         planned = estimate(load_config(config, [*_RUN, *sets]), device="cpu").peak_bytes / MiB
         ratio = planned / measured[name]
         print(f"{name}: planned {planned:.0f} MiB, measured {measured[name]:.0f} MiB, {ratio:.2f}")
-        assert 0.8 <= ratio <= 1.2, (name, planned, measured[name])
+        # An under-estimate is what hurts (an out-of-memory error an hour in): at most 20% under.
+        # Over, up to 30%: the tiny LoRA run's peak measured 121-131 MiB across identical runs
+        # (session 21, AMD EPYC), which put its ratio to the 151 MiB estimate at 1.16-1.26.
+        assert 0.8 <= ratio <= 1.3, (name, planned, measured[name])
 
 
 _TINY = [
@@ -227,7 +230,7 @@ _SMOL = ["sampling.group_size=4", "sampling.prompts_per_step=2", "train.micro_ba
 
 
 @pytest.mark.slow
-def test_estimate_within_20_percent_of_measured_tiny(tmp_path: Path) -> None:
+def test_estimate_near_the_measured_peak_tiny(tmp_path: Path) -> None:
     tiny = EXAMPLES / "tiny.yaml"
     _check(
         tmp_path,
@@ -236,7 +239,7 @@ def test_estimate_within_20_percent_of_measured_tiny(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_estimate_within_20_percent_of_measured_smollm2(tmp_path: Path) -> None:
+def test_estimate_near_the_measured_peak_smollm2(tmp_path: Path) -> None:
     quick = EXAMPLES / "quickstart.yaml"
     _check(
         tmp_path,
