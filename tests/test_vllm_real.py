@@ -271,3 +271,103 @@ def test_the_canary_tells_a_sync_that_did_not_take(
     )
     assert synced < TOLERANCE and with_head < TOLERANCE
     assert missed > 10 * TOLERANCE and headless > 10 * TOLERANCE
+
+
+# ------------------------------------------------------------------------ colocated (in process)
+COLOCATE_CONTROL = r"""
+import json, sys
+import torch
+from rlvr.config import GeneratorConfig
+from rlvr.models import load_policy
+from rlvr.rollout import vllm_colocate
+from rlvr.train.canary import canary_gap
+
+model_path, sync_dir = sys.argv[1], sys.argv[2]
+policy = load_policy(model_path)
+gen = torch.Generator().manual_seed(0)
+with torch.no_grad():  # every weight moved, the tied embedding/head included
+    for p in policy.model.parameters():
+        p.add_(1e-4 * torch.randn(p.shape, generator=gen).sign())
+cfg = GeneratorConfig(
+    backend="vllm_colocate", weight_sync="full",
+    vllm={"dtype": "float32", "engine_args": ENGINE_ARGS},
+)
+engine = vllm_colocate.build_colocated(policy, cfg, model_path, sync_dir, seed=0)
+gaps = {"synced": canary_gap(engine, policy, bf16=False)}
+real = vllm_colocate.engine_weights
+vllm_colocate.engine_weights = lambda *a, **k: (
+    (n, t) for n, t in real(*a, **k) if n != "lm_head.weight"
+)
+with torch.no_grad():
+    for p in policy.model.parameters():
+        p.add_(1e-4 * torch.randn(p.shape, generator=gen).sign())
+engine.sync_weights(policy, step=1)
+gaps["headless"] = canary_gap(engine, policy, bf16=False)
+vllm_colocate.engine_weights = real
+engine.sync_weights(policy, step=2)
+gaps["with_head"] = canary_gap(engine, policy, bf16=False)
+gaps["bytes"] = engine.last_sync["sync/weight_bytes"]
+engine.close()
+print("GAPS " + json.dumps(gaps))
+"""
+
+
+@pytest.fixture(scope="module")
+def vllm_python(vllm: Path) -> Path:
+    """The python of vLLM's venv, with rlvr installed in it (`make vllm-cpu` since revision 3)."""
+    python = vllm.with_name("python")
+    probe = subprocess.run(
+        [str(python), "-c", "import rlvr.rollout.vllm_colocate"], capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"rlvr does not import beside vLLM in {python} (rerun `make vllm-cpu`)")
+    return python
+
+
+def test_colocated_vllm_lora_run_and_full_sync_in_memory(
+    vllm_python: Path, model_path: str, tiny_config_dir: Path, tmp_path: Path
+) -> None:
+    """generator.backend vllm_colocate on the real vLLM: a LoRA run through the loop (adapter
+    hot-swap under a new id each step) with its gaps at fp32 noise; then, in memory, a full sync of
+    moved weights is exact to fp32 noise while the same sync without the tied head is not (the
+    canary sees a sync that did not take)."""
+    env = {**os.environ, **VLLM_ENV, "PYTHONPATH": str(ROOT / "src")}
+    engine_args = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 16}
+    run = tmp_path / "colocated"
+    sets = [
+        *_common(model_path),
+        "generator.backend=vllm_colocate",
+        "generator.weight_sync=lora",
+        "generator.vllm.dtype=float32",
+        f"generator.vllm.engine_args={json.dumps(engine_args)}",
+        "model.lora.enabled=true",
+        "model.lora.r=8",
+        "model.lora.alpha=16",
+        "train.learning_rate=1e-3",
+        "train.steps=2",
+    ]
+    cmd = [str(vllm_python), "-m", "rlvr.cli", "train", str(tiny_config_dir / "tiny.yaml")]
+    cmd += ["--output-dir", str(run)]
+    for s in sets:
+        cmd += ["--set", s]
+    shm = Path("/dev/shm")
+    before = set(shm.glob("rlvr-sync-*")) if shm.is_dir() else set()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_S)
+    assert done.returncode == 0, done.stderr[-5000:] + done.stdout[-1500:]
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    _assert_in_fp32_noise(rows)
+    assert all(0 < r["sync/weight_bytes"] < 50e6 for r in rows)  # the adapter, not the model
+    if shm.is_dir():
+        assert set(shm.glob("rlvr-sync-*")) <= before  # the adapters' folder went at close
+    script = COLOCATE_CONTROL.replace("ENGINE_ARGS", repr(engine_args))
+    control = subprocess.run(
+        [str(vllm_python), "-c", script, model_path, str(tmp_path / "sync")],
+        env=env, capture_output=True, text=True, timeout=RUN_S,
+    )  # fmt: skip
+    assert control.returncode == 0, control.stderr[-5000:]
+    gaps = json.loads(control.stdout.split("GAPS ", 1)[1])
+    print(f"colocated canary gaps: {gaps}")
+    assert gaps["synced"] < TOLERANCE and gaps["with_head"] < TOLERANCE, gaps
+    assert gaps["headless"] > 10 * TOLERANCE, gaps
+    assert gaps["bytes"] > 4 * 134e6  # fp32, every weight and the head: in memory, no file

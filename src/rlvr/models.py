@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import glob
 import importlib.util
+import inspect
 import io
 import os
 import shutil
@@ -392,6 +394,24 @@ def add_lora(model: Any, lora: LoraSettings, task_type: str) -> Any:
         task_type=task_type,
     )
     return get_peft_model(model, config)
+
+
+def cache_kwarg(model: Any) -> str:
+    """The name under which `model`'s forward takes its KV cache: `cache` in transformers' newer
+    releases, `past_key_values` before the rename (5.19 and 5.20 have it; vLLM 0.32 pins
+    transformers < 5.20, and a colocated engine shares this process's transformers). Passed under
+    the wrong name the cache is swallowed by **kwargs and silently not filled. Read from the
+    decoder's own signature, once per class."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else base
+    cls: Any = type(decoder)
+    return _cache_kwarg_of(cls)
+
+
+@functools.cache
+def _cache_kwarg_of(cls: Any) -> str:
+    parameters = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> set[int]:

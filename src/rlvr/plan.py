@@ -319,7 +319,7 @@ def _bf16(cfg: RunConfig, kind: str) -> bool:
 def _sampler(cfg: RunConfig, shape: ModelShape, kind: str) -> tuple[str, bool]:
     """(decode path, bf16 weight copy) of the in-process sampler; ("none", False) for a server."""
     g = cfg.generator
-    if g.backend == "server":
+    if g.other_engine():
         return "none", False
     path: str
     if kind == "cuda":
@@ -505,6 +505,12 @@ def _estimate(cfg: RunConfig, s: ModelShape, kind: str, gpus: int, lp: int, how:
     notes = []
     if cfg.generator.backend == "server" and cfg.generator.launch == "vllm":
         notes.append("vLLM takes --gpu-memory-utilization (default 0.9) of its GPU: not counted")
+    elif cfg.generator.backend == "vllm_colocate":
+        share = cfg.generator.vllm.gpu_memory_utilization or 0.3
+        notes.append(
+            f"the colocated vLLM takes {share:g} of the GPU while it samples (asleep during the "
+            "update): not counted"
+        )
     if how == "assumed":
         notes.append(f"prompts assumed {lp} tokens (datasets, envs): --prompt-tokens N")
     if s.experts > 1:

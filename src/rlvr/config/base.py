@@ -22,7 +22,7 @@ def bf16_sampling_copy(
     or `auto`) with `decode_dtype: bfloat16`, or `auto` where `rlvr.precision.bf16_sampler_on` says
     so (a CPU with native bf16, `model.bf16` not off). Plain values, so that both the resolved config
     (the mismatch monitor) and the raw dict (the truncated-IS default below) ask the same question."""
-    if backend == "server" or decode == "hf" or decode_dtype == "float32":
+    if backend in ("server", "vllm_colocate") or decode == "hf" or decode_dtype == "float32":
         return False
     from rlvr.precision import bf16_sampler_on  # lazily: it imports torch
 

@@ -117,15 +117,28 @@ class VllmLaunch(_Section):
         description="CUDA_VISIBLE_DEVICES for the server, e.g. '7' or '6,7' (GPUs the trainer's "
         "ranks do not use); None = the launching process's visible GPUs (it shares GPU 0).",
     )
+    sleep: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="generator.backend vllm_colocate: put the engine to sleep (vLLM's sleep mode) "
+        "while the policy updates, so the update has the GPU memory the engine's weights and KV "
+        "cache held, and wake it for the next sync; auto = on a GPU (sleep mode needs CUDA).",
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="generator.backend vllm_colocate: more keyword arguments for vllm.LLM, e.g. "
+        "{enforce_eager: true, max_num_seqs: 64}; they win over the ones rlvr sets.",
+    )
 
 
 class GeneratorConfig(_Section):
     """Where rollouts are sampled. `hf`: transformers in this process. `server`: an OpenAI-compatible
     server returning token ids and log-probs (vLLM's `vllm serve`, or `rlvr serve` speaking the same
-    protocol), weights pushed to it after every update; truncated importance sampling is on (the
-    server's numerics differ from the trainer's)."""
+    protocol), weights pushed to it after every update. `vllm_colocate`: a vLLM engine in the
+    trainer's own process and GPU (TRL's `vllm_mode="colocate"`), asleep during the update, the
+    weights handed to it in memory (rollout/vllm_colocate.py). With either engine truncated
+    importance sampling is on (its numerics differ from the trainer's)."""
 
-    backend: Literal["hf", "server"] = "hf"
+    backend: Literal["hf", "server", "vllm_colocate"] = "hf"
     url: str | None = Field(
         None, description="Base URL of a running server, e.g. http://127.0.0.1:8000/v1."
     )
@@ -174,10 +187,17 @@ class GeneratorConfig(_Section):
         "at least 1024.",
     )
 
+    def other_engine(self) -> bool:
+        """Whether an engine other than the trainer's forward samples (a server, or vLLM in
+        process): its numerics differ, its weights are synced after each update."""
+        return self.backend in ("server", "vllm_colocate")
+
     def served_dtype(self) -> str:
         """The dtype the server runs, as the config says it: `--dtype` in launch_args (as in argv,
         it wins), else generator.vllm.dtype; float32 for rlvr serve. vLLM's names ("auto",
-        "float", "half" too) are returned as given."""
+        "float", "half" too) are returned as given. A colocated engine: generator.vllm.dtype."""
+        if self.backend == "vllm_colocate":
+            return self.vllm.dtype
         if self.launch == "rlvr":
             return "float32"
         for i, arg in enumerate(self.launch_args):
@@ -191,7 +211,7 @@ class GeneratorConfig(_Section):
         """generator.sync_dtype with auto resolved: bfloat16, float16 or float32."""
         if self.sync_dtype != "auto":
             return self.sync_dtype
-        at_url = self.launch is None
+        at_url = self.launch is None and self.backend == "server"
         if at_url and "dtype" not in self.vllm.model_fields_set:
             return "float32"  # a server rlvr did not launch: its dtype is unknown
         served = self.served_dtype()

@@ -142,13 +142,13 @@ class RunConfig(_Section):
     @classmethod
     def _tis_on_when_off_engine(cls, data: Any) -> Any:
         """Truncated importance sampling (cap 2.0, Yao et al. 2025) unless the user set tis_cap: on
-        when another engine (a server), older weights (async rollouts) or a bf16 copy of the weights
+        when another engine (a server, vLLM in process), older weights (async rollouts) or a bf16 copy of the weights
         (decode: fast, `bf16_sampling_copy`) sample the tokens."""
         if not isinstance(data, dict):
             return data
         gen, rollout = data.get("generator") or {}, data.get("rollout") or {}
         objective, model = data.get("objective") or {}, data.get("model") or {}
-        off_engine = isinstance(gen, dict) and gen.get("backend") == "server"
+        off_engine = isinstance(gen, dict) and gen.get("backend") in ("server", "vllm_colocate")
         stale = isinstance(rollout, dict) and bool(rollout.get("async_rollouts"))
         bf16_copy = isinstance(gen, dict) and bf16_sampling_copy(
             gen.get("backend"),
@@ -249,14 +249,19 @@ class RunConfig(_Section):
             raise ValueError(
                 "generator.backend: server needs exactly one of generator.url, generator.launch"
             )
+        if gen.backend == "vllm_colocate" and (gen.url is not None or gen.launch is not None):
+            raise ValueError(
+                "generator.backend: vllm_colocate runs vLLM in the trainer's process: drop "
+                "generator.url / generator.launch (they are for backend: server)"
+            )
         if self.rollout.async_rollouts and (
-            self.rollout.mode == "external" or gen.backend == "server" or self.distributed.ray
+            self.rollout.mode == "external" or gen.other_engine() or self.distributed.ray
         ):
             raise ValueError(
                 "rollout.async_rollouts samples on an in-process copy of the policy: use it with "
                 "rollout.mode internal, generator.backend hf and without distributed.ray"
             )
-        if self.distributed.ray and (self.rollout.mode == "external" or gen.backend == "server"):
+        if self.distributed.ray and (self.rollout.mode == "external" or gen.other_engine()):
             raise ValueError(
                 "distributed.ray plays episodes with in-process generators: use it with "
                 "rollout.mode internal and generator.backend hf"

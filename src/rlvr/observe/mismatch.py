@@ -71,10 +71,10 @@ def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
     # defects (a stale tied head after a sync: ~3e-3 per token, under 0.03, 400x fp32 noise).
     fp32_dtypes = ("float32", "float")  # vLLM's names for fp32
     served_dtype = g.served_dtype()  # launch_args win, as in argv
-    vllm_fp32 = g.launch == "vllm" and served_dtype in fp32_dtypes
-    vllm_fp32 = vllm_fp32 and g.backend == "server"
+    vllm_launched = (g.backend == "server" and g.launch == "vllm") or g.backend == "vllm_colocate"
+    vllm_fp32 = vllm_launched and served_dtype in fp32_dtypes
     # In process the sampler never autocasts (rlvr.build); a bf16 copy is asked below.
-    sampler_bf16 = g.backend == "server" and not (rlvr_server or vllm_fp32)
+    sampler_bf16 = g.other_engine() and not (rlvr_server or vllm_fp32)
     if c.precision != "auto":
         precision, why = c.precision, "monitors.sampler_mismatch.precision"
     elif trainer_bf16:
@@ -94,7 +94,7 @@ def mismatch_setup(cfg: RunConfig) -> MismatchSetup | None:
     not_read = ""
     if cfg.rollout.async_rollouts:
         not_read = "async rollouts sample from a copy up to max_staleness updates behind"
-    elif g.backend == "server" and cfg.sampling.top_p < 1.0 and not rlvr_server:
+    elif g.other_engine() and cfg.sampling.top_p < 1.0 and not rlvr_server:
         not_read = "vLLM renormalises log-probs over the top-p nucleus"
     keys = (CANARY_METRIC,) if not_read else (CANARY_METRIC, BEHAVIOUR_METRIC)
     return MismatchSetup(precision, threshold, why, keys, not_read)

@@ -38,7 +38,7 @@ import torch
 from transformers import DynamicCache
 
 from rlvr.devices import device_of
-from rlvr.models import matmul_weights_to_fp32
+from rlvr.models import cache_kwarg, matmul_weights_to_fp32
 from rlvr.rollout.fast_decode import (
     DecodeWeights,
     StaticDecode,
@@ -105,7 +105,7 @@ class HFDecode:
                 input_ids=input_ids_B_T,
                 attention_mask=attention_B_C,
                 position_ids=positions_B_T,
-                cache=self.cache,
+                **{cache_kwarg(g.model): self.cache},
                 use_cache=True,
                 logits_to_keep=1,
             )

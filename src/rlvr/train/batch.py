@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from rlvr.models import cache_kwarg
 from rlvr.records import Trajectory
 from rlvr.train.fused_logprobs import fusable_head, plain_head, token_logprobs_from_hidden
 from rlvr.train.packing import PackedRows, pack_rows, packed_outputs, packing_is_exact
@@ -336,7 +337,7 @@ def _shared_prefix_outputs(model: Any, batch: TrainBatch, hidden: bool) -> list[
         input_ids=batch.prompt_ids_P_Lp,
         attention_mask=batch.prompt_mask_P_Lp,
         position_ids=prompt_positions,
-        cache=cache,
+        **{cache_kwarg(model): cache},
         use_cache=True,
     )
     if cache.get_seq_length() != batch.prompt_ids_P_Lp.shape[1]:
@@ -364,7 +365,7 @@ def _shared_prefix_outputs(model: Any, batch: TrainBatch, hidden: bool) -> list[
         input_ids=batch.completion_ids_B_C[:, :width],
         attention_mask=attention,
         position_ids=positions,
-        cache=cache,
+        **{cache_kwarg(model): cache},
         use_cache=True,
     )
     if not states:

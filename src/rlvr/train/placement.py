@@ -33,6 +33,8 @@ def placement_line(cfg: RunConfig, policy: Policy, device: torch.device, generat
         line += f" ({dtype} weight copy)" if decode == "fast" else ""
     elif cfg.generator.backend == "server":
         line += "; sampler: a server (generator.url / launch)"
+    elif cfg.generator.backend == "vllm_colocate":
+        line += f"; sampler: vLLM in this process ({cfg.generator.vllm.dtype})"
     return line
 
 

@@ -3,9 +3,10 @@
 One object per run, chosen by the config; the loop calls `sample_round()` (one round of
 sampling.prompts_per_step tasks x G, scored), `after_update(step)` and `close()`:
 
-    in process (default)     the engine on the run's generator: HF in process, or an
-                             OpenAI-compatible server (generator.backend: server) synced after
-                             every update (rlvr.rollout.server)
+    in process (default)     the engine on the run's generator: HF in process, an
+                             OpenAI-compatible server (generator.backend: server) or vLLM in
+                             this process (vllm_colocate), synced after every update
+                             (rlvr.rollout.server, rlvr.rollout.vllm_colocate)
     rollout: external        the user's agent through the in-run endpoint (rlvr.serve.external)
     distributed.ray          Ray actors, each with a copy of the policy (rlvr.scale.ray_rollout)
     rollout.async_rollouts   a background thread samples round k+1 on a copy while round k trains
@@ -81,6 +82,8 @@ class RolloutPlan:
         seed = cfg.train.seed + (1000 * dist.rank if dist is not None else 0)
         if cfg.generator.backend == "server":
             self.generator: Any = self._server_generator(run_dir or Path(cfg.output_dir), seed)
+        elif cfg.generator.backend == "vllm_colocate":
+            self.generator = self._colocated_generator(run_dir or Path(cfg.output_dir), seed)
         elif dist is not None and dist.strategy == "fsdp":
             # Sharded weights cannot sample (every forward would be a collective in lock-step across
             # ranks of unequal decode lengths): generate from a full copy refreshed after each update.
@@ -206,6 +209,22 @@ class RolloutPlan:
             raise
         return generator
 
+    def _colocated_generator(self, run_dir: Path, seed: int) -> Any:
+        """vLLM in this process (rlvr.rollout.vllm_colocate), synced to step 0 and checked by the
+        canary like a server."""
+        from rlvr.models import resolve_model_path
+        from rlvr.rollout.vllm_colocate import build_colocated
+
+        path = resolve_model_path(self.cfg.model.name)
+        generator = build_colocated(self.policy, self.cfg.generator, path, run_dir, seed=seed)
+        self.generator = generator
+        try:
+            self._canary()
+        except BaseException:
+            generator.close()
+            raise
+        return generator
+
     def _base_model(self) -> Any:
         model = self.policy.model
         return model.get_base_model() if self.policy.lora else model
@@ -261,7 +280,7 @@ class RolloutPlan:
 
     def after_update(self, step: int) -> None:
         """Send the updated weights to whatever samples."""
-        if self.cfg.generator.backend == "server":
+        if self.cfg.generator.other_engine():
             self._sync_server(step)
         if self.ray is not None:
             self.ray.sync_weights(self.policy)
@@ -297,8 +316,12 @@ class RolloutPlan:
         """The rollouts are in: the in-process sampler's bf16 weight copy (269 MB for SmolLM2-135M)
         goes now rather than after the update, so the update's peak memory does not hold it; the
         next `generate` rebuilds it from the new weights, as it would have anyway. (An async
-        producer samples with a generator of its own, untouched here.)"""
+        producer samples with a generator of its own, untouched here.) A colocated vLLM goes to
+        sleep: the update gets the GPU memory its weights and KV cache held."""
         self._refresh_decode_weights()
+        sleep = getattr(self.generator, "sleep", None)
+        if callable(sleep):
+            sleep()
 
     def _refresh_decode_weights(self) -> None:
         """The in-process generator's fast-decode weight copy (generator.decode: fast) is stale."""
@@ -321,7 +344,7 @@ class RolloutPlan:
 
     def after_resume(self, step: int) -> None:
         """The samplers start from the checkpoint's (step's) weights, not the base model's."""
-        if self.cfg.generator.backend == "server":
+        if self.cfg.generator.other_engine():
             self._sync_server(step)
         if self.ray is not None:
             self.ray.sync_weights(self.policy)
@@ -344,5 +367,5 @@ class RolloutPlan:
             if part is not None:
                 part.close()
         closer = getattr(self.generator, "close", None)
-        if self.cfg.generator.backend == "server" and callable(closer):
+        if self.cfg.generator.other_engine() and callable(closer):
             closer()
