@@ -193,6 +193,28 @@ class DistContext:
                 out[name] = kept
         return out
 
+    @torch.no_grad()
+    def copy_full_weights(self, source: Any, target: Any) -> None:
+        """Fill `target` (an unsharded copy of `source`, on this rank's device) with `source`'s
+        current weights, gathering one tensor at a time on the device and copying it straight in:
+        no host round trip and no second full state in memory (fsdp's sampling copy, refreshed
+        after every update). Collective under fsdp: every rank calls it."""
+        from torch.distributed.tensor import DTensor
+
+        params = dict(target.named_parameters(remove_duplicate=False))
+        params |= dict(target.named_buffers(remove_duplicate=False))
+        missing = [name for name in source.state_dict() if name not in params]
+        if missing:
+            raise KeyError(f"fsdp sampling copy: no parameter {missing[0]!r}")
+        done: set[int] = set()  # a tied tensor is gathered once
+        for name, tensor in source.state_dict().items():
+            if id(tensor) in done:
+                continue
+            done.add(id(tensor))
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            params[name].copy_(full)
+            del full
+
     # ------------------------------------------------------------------------------ the update
     def sum_gradients(
         self, params: Sequence[torch.nn.Parameter], scalars: Sequence[float]

@@ -36,7 +36,6 @@ from rlvr.rollout.engine import RolloutLimits, rollout_groups
 from rlvr.rollout.fast_decode import decline_reason
 from rlvr.rollout.generator import Generator, SamplingParams
 from rlvr.rollout.hf import HFGenerator
-from rlvr.scale.weights import load_trainable_state
 from rlvr.tasks import TaskSplits
 from rlvr.train.sources import Sources
 
@@ -329,10 +328,8 @@ class RolloutPlan:
             self.generator.refresh_weights()
 
     def _refresh_copy(self) -> None:
-        if self.copy_model is not None:
-            full = self.dist.full_state_dict(self.policy.model)
-            names = {n for n, _ in self.copy_model.named_parameters()}
-            load_trainable_state(self.copy_model, {k: v for k, v in full.items() if k in names})
+        if self.copy_model is not None:  # gathered tensor by tensor on the device (collective)
+            self.dist.copy_full_weights(self.policy.model, self.copy_model)
 
     def before_save(self) -> None:
         """Before a checkpoint: async, wait until the producer is between rounds (the task sampler's
