@@ -293,6 +293,16 @@ def test_the_config_treats_it_as_another_engine(tiny_config_dir: Path) -> None:
     )
     setup = mismatch_setup(fp32)
     assert setup is not None and setup.precision == "fp32"
+    by_engine_args = load_config(
+        path,
+        [
+            "generator.backend=vllm_colocate",
+            'generator.vllm.engine_args={"dtype": "float32"}',
+            "model.bf16=off",
+        ],
+    )
+    setup = mismatch_setup(by_engine_args)  # engine_args win in vllm.LLM, and here
+    assert setup is not None and setup.precision == "fp32"
     for bad, match in (
         (["generator.url=http://127.0.0.1:1/v1"], "drop generator.url"),
         (["rollout.async_rollouts=true"], "async_rollouts"),

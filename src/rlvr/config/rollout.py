@@ -196,8 +196,8 @@ class GeneratorConfig(_Section):
         """The dtype the server runs, as the config says it: `--dtype` in launch_args (as in argv,
         it wins), else generator.vllm.dtype; float32 for rlvr serve. vLLM's names ("auto",
         "float", "half" too) are returned as given. A colocated engine: generator.vllm.dtype."""
-        if self.backend == "vllm_colocate":
-            return self.vllm.dtype
+        if self.backend == "vllm_colocate":  # engine_args win, as in vllm.LLM's keywords
+            return str(self.vllm.engine_args.get("dtype", self.vllm.dtype))
         if self.launch == "rlvr":
             return "float32"
         for i, arg in enumerate(self.launch_args):
