@@ -142,8 +142,8 @@ class RunConfig(_Section):
     @classmethod
     def _tis_on_when_off_engine(cls, data: Any) -> Any:
         """Truncated importance sampling (cap 2.0, Yao et al. 2025) unless the user set tis_cap: on
-        when another engine (a server, vLLM in process), older weights (async rollouts) or a bf16 copy of the weights
-        (decode: fast, `bf16_sampling_copy`) sample the tokens."""
+        when another engine (a server, vLLM in process), older weights (async rollouts) or a bf16
+        copy of the weights (decode: fast, `bf16_sampling_copy`) sample the tokens."""
         if not isinstance(data, dict):
             return data
         gen, rollout = data.get("generator") or {}, data.get("rollout") or {}

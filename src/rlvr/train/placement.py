@@ -34,7 +34,7 @@ def placement_line(cfg: RunConfig, policy: Policy, device: torch.device, generat
     elif cfg.generator.backend == "server":
         line += "; sampler: a server (generator.url / launch)"
     elif cfg.generator.backend == "vllm_colocate":
-        line += f"; sampler: vLLM in this process ({cfg.generator.vllm.dtype})"
+        line += f"; sampler: vLLM in this process ({cfg.generator.served_dtype()})"
     return line
 
 
