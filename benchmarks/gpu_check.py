@@ -12,7 +12,10 @@ stops being started once the time budget runs low (what was skipped is recorded,
 3. random-weight models shaped like Qwen2.5-1.5B (full fine-tuning in bf16 and fp32, LoRA in bf16)
    and, if time allows, Qwen2.5-7B with LoRA: 3 RL steps each, step time split into rollout and
    update, tokens/s, and the peak GPU memory (torch.cuda.max_memory_allocated) beside `rlvr plan`'s
-   estimate for the same config.
+   estimate for the same config;
+4. one full-weight sync of the 1.5B shape each way rlvr has (benchmarks/gpu_check_sync.py): fp32
+   files on disk (old), bf16 shards in /dev/shm, the colocated vLLM in memory and a launched vLLM
+   server, where vLLM is installed (else recorded as skipped).
 It writes DIR/gpu_check.json ($OUT when set, else benchmarks/) and prints the table that
 docs/performance.md ("GPU") records with the device, date and commit.
 
@@ -239,9 +242,9 @@ def shaped_model_dir(config_file: Path, root: Path, device: str, small: bool) ->
 
     shape = {k: v for k, v in json.loads(config_file.read_text()).items() if not k.startswith("_")}
     shape.pop("architectures", None)
-    if small:
-        shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    if small:  # head_dim 64: vLLM's CPU attention has no kernel for head_dim 16
+        shape.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
     target = root / (config_file.stem + ("-small" if small else ""))
     if (target / "config.json").exists():
         return target
@@ -351,6 +354,9 @@ def main() -> int:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--allow-cpu", action="store_true", help="smoke-run on a host without CUDA")
     parser.add_argument("--small", action="store_true", help="2-layer stand-ins of the shapes")
+    parser.add_argument(
+        "--sync-only", action="store_true", help="only part 4, the weight syncs (skips 1-3)"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "src"))
     import torch
@@ -370,14 +376,21 @@ def main() -> int:
         results["seconds"] = round(args.budget_s - clock.left(), 1)
         (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
 
-    if not args.skip_tests:
+    if not args.skip_tests and not args.sync_only:
         results["parts"].append(run_cuda_tests(clock))
         save()
-    results["parts"] += tiny_runs(clock, device, work)
-    save()
-    results["parts"] += shaped_runs(clock, device, work, args.small, with_7b=not args.skip_7b)
+    if not args.sync_only:
+        results["parts"] += tiny_runs(clock, device, work)
+        save()
+        results["parts"] += shaped_runs(clock, device, work, args.small, with_7b=not args.skip_7b)
+        save()
+    from gpu_check_sync import sync_runs, sync_table
+
+    model = shaped_model_dir(CONFIGS / "qwen2.5-1.5b.json", work / "models", device, args.small)
+    results["parts"] += sync_runs(clock, device, work, model)
     save()
     print(table(results))
+    print("\n".join(sync_table(results["parts"])))
     return 0
 
 
