@@ -79,6 +79,8 @@ class Row:
     max_minutes: float | None = None  # training wall time the target allows
     min_tool_rate: float | None = None  # share of held-out episodes that call a tool
     pipeline: bool = False  # config is a pipeline: warm-up stages, then its RL stage
+    # Set on every warm-up stage itself (not its config), e.g. env_demos.policy=scripted.
+    stage_overrides: tuple[str, ...] = field(default_factory=tuple)
     not_run: str = ""  # why the row is left unmeasured on purpose (the table prints it)
 
 
@@ -131,6 +133,10 @@ ROWS = [
     Row("frozenlake-warmup", "frozenlake 4x4, not slippery; format warm-up, then RL",
         "env_frozenlake_warmup.yaml", "+30 points", target_gain=0.30, overrides=HELDOUT_200,
         pipeline=True),
+    Row("frozenlake-solver-warmup", "frozenlake 4x4, not slippery; solver warm-up (behaviour "
+        "cloning of the scripted solver on train lakes), then RL", "env_frozenlake_warmup.yaml",
+        "+30 points", target_gain=0.30, overrides=HELDOUT_200, pipeline=True,
+        stage_overrides=("env_demos.policy=scripted",)),
     Row("frozenlake-warmup-gigpo", "frozenlake 4x4, not slippery; format warm-up, then RL with GiGPO "
         "credit", "env_frozenlake_warmup.yaml", "+30 points", target_gain=0.30,
         overrides=(*HELDOUT_200, *GIGPO), pipeline=True),
@@ -423,6 +429,7 @@ def measure_warmup(
             sets += [
                 f"stages.{i}.config.{e}" for e in ("progress=false", *every_stage, *warmup_extra)
             ]
+            sets += [f"stages.{i}.{e}" for e in row.stage_overrides]
         rl_sets = [*row.overrides, *RL_RUN_OVERRIDES, f"train.time_limit_minutes={rl_minutes}",
                    *rl_extra]  # fmt: skip
         return load_pipeline_config(path, sets + [f"stages.{rl}.config.{e}" for e in rl_sets]), rl
