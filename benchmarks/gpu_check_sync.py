@@ -27,20 +27,8 @@ from typing import Any
 def _file_rows(policy: Any, work: Path) -> list[dict[str, Any]]:
     import torch
 
-    from rlvr.rollout.server import save_full, write_folder, write_tied_head
-    from rlvr.serve.completions import read_weights
-
-    def timed(target: Path, write: Any) -> tuple[float, int]:
-        best, size = float("inf"), 0
-        for _ in range(2):
-            started = time.perf_counter()
-            folder = write_folder(target, write)
-            weights = read_weights(folder)
-            best = min(best, time.perf_counter() - started)
-            size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-            del weights
-            shutil.rmtree(folder)
-        return best, size
+    from rlvr.rollout.server import save_full, write_tied_head
+    from weight_sync import timed  # benchmarks/weight_sync.py: write, read back, best of N
 
     def old(d: str) -> None:
         policy.model.save_pretrained(d)
@@ -49,8 +37,8 @@ def _file_rows(policy: Any, work: Path) -> list[dict[str, Any]]:
     shm_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
     shm = Path(tempfile.mkdtemp(prefix="rlvr-gpu-check-sync-", dir=shm_root))
     try:
-        old_s, old_b = timed(work / "old-sync", old)
-        new_s, new_b = timed(shm / "s", lambda d: save_full(policy, d, dtype=torch.bfloat16))
+        old_s, old_b = timed(work / "old-sync", old, 2)
+        new_s, new_b = timed(shm / "s", lambda d: save_full(policy, d, dtype=torch.bfloat16), 2)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     return [
