@@ -3,9 +3,10 @@
 One `torchrun --nproc_per_node 2` launch runs tests/torchrun_update_check.py: for ddp and then fsdp
 (FSDP2 on CPU/gloo), three scenarios on a fixed 20-row batch (5 prompts, uneven lengths, a group and a
 row with A = 0): grpo (zero-advantage rows skipped), kl (beta > 0 against the frozen copy, two
-optimizer steps, entropy bonus, a 1-token completion) and lora (adapters initialised differently on
-each rank, the KL in the reward: reference_logprobs sharded too). Each is compared with the same
-scenario run here in one process.
+optimizer steps, entropy bonus, a 1-token completion), lora (adapters initialised differently on
+each rank, the KL in the reward: reference_logprobs sharded too) and distill (the teacher sharded
+like the policy); then ppo's critic (full and LoRA) and a reference loaded late. Each is compared
+with the same scenario run here in one process.
 
 Tolerances (fp32), with the largest difference measured here over all scenarios and both strategies:
 - loss, grad_norm and every other metric: rel 1e-5 (measured: loss 2.7e-7, grad_norm 8.5e-8, the kl
@@ -55,6 +56,9 @@ def single(tiny_model_dir: Path) -> dict[str, Any]:
         out["kl-plain"] = check.run_scenario(
             str(tiny_model_dir), "kl", None, ["train.share_prompt_prefix=false"]
         )
+        for name in check.CRITIC_SCENARIOS:
+            out[name] = check.run_critic(str(tiny_model_dir), name, None)
+        out["late-reference"] = check.run_late_reference(str(tiny_model_dir), None)
     return out
 
 
@@ -127,6 +131,44 @@ def test_two_ranks_take_the_single_process_step(
     else:
         for a, b in zip(got["ref"], want["ref"], strict=True):
             assert a == pytest.approx(b, abs=REF_ATOL)
+    # distill's teacher is sharded like the policy (its forwards then keep step on every rank)
+    assert got["teacher_sharded"] == (name == "distill" and strategy == "fsdp")
+    assert got["teacher_sharded_after"] == got["teacher_sharded"]
+    if name == "distill":
+        assert want["metrics"]["distill/reverse_kl"] > 1e-6  # the second pass pulled
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", list(check.CRITIC_SCENARIOS))
+def test_two_ranks_train_the_critic_as_one_process_does(
+    single: dict[str, Any], distributed: dict[str, Any], strategy: str, name: str
+) -> None:
+    """ppo's critic under torchrun: each rank scores and trains on its shard of the rows (fsdp: the
+    critic sharded, padding micro-batches in step), gradients summed, whole-batch metrics."""
+    want, got = single[name], distributed[f"{strategy}/{name}"]
+    assert got["sharded"] == (strategy == "fsdp")
+    assert want["metrics"]["critic/grad_norm"] > 0  # the second update moved the backbone
+    assert set(got["metrics"]) == set(want["metrics"])
+    for key, value in want["metrics"].items():
+        assert got["metrics"][key] == pytest.approx(value, rel=METRIC_RTOL, abs=1e-9), key
+    assert max(abs(v) for row in want["values"] for v in row) > 1e-3  # values moved off 0
+    for a, b in zip(got["values"], want["values"], strict=True):
+        assert a == pytest.approx(b, abs=REF_ATOL)
+    assert set(got["params"]) == set(want["params"])
+    for key, tensor in want["params"].items():
+        torch.testing.assert_close(got["params"][key], tensor, rtol=0, atol=PARAM_ATOL, msg=key)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_late_reference_is_placed_like_the_policy(
+    single: dict[str, Any], distributed: dict[str, Any], strategy: str
+) -> None:
+    """A reference loaded when a mitigation raises beta is sharded under fsdp (not a full copy per
+    rank) and scores as one process's does."""
+    want, got = single["late-reference"], distributed[f"{strategy}/late-reference"]
+    assert got["sharded"] == (strategy == "fsdp")
+    for a, b in zip(got["ref"], want["ref"], strict=True):
+        assert a == pytest.approx(b, abs=REF_ATOL)
 
 
 def test_the_scenarios_give_the_ranks_unequal_work() -> None:

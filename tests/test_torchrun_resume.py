@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rlvr.models import load_policy
+from rlvr.train.critic import WEIGHTS_FILE
 
 TIMING = ("time", "seconds", "_s", "per_s", "tokens_per", "mfu", "gflop", "memory", "rss")
 
@@ -42,10 +44,11 @@ def _step_row(run_dir: Path, step: int) -> dict[str, object]:
     return {k: v for k, v in row.items() if not any(t in k for t in TIMING)}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize(("strategy", "algorithm"), [("ddp", "grpo"), ("fsdp", "ppo")])
 def test_a_resumed_torchrun_job_equals_the_uninterrupted_one(
-    strategy: str, tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
+    strategy: str, algorithm: str, tiny_config_dir: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    """fsdp runs ppo: its critic is sharded too, its optimizer saved as shards beside the policy's."""
     whole = tmp_path / "whole"
     _torchrun(
         str(tiny_config_dir / "tiny.yaml"),
@@ -54,11 +57,14 @@ def test_a_resumed_torchrun_job_equals_the_uninterrupted_one(
         "--set", "tracking.progress=false", "--set", "checkpoint.every=1",
         "--set", "eval.at_start=false", "--set", "eval.at_end=false",
         "--set", "model.bf16=off", "--set", f"distributed.strategy={strategy}",
+        "--set", f"algorithm={algorithm}",
     )  # fmt: skip
     first = whole / "checkpoints" / "step-000001"
     assert (first / "rng-rank1.pt").is_file()  # rank 1's own RNGs
     if strategy == "fsdp":
         assert (first / "optimizer").is_dir() and not (first / "optimizer.pt").exists()
+        assert (first / "critic" / "optimizer").is_dir()
+        assert not (first / "critic" / "optimizer.pt").exists()
     else:
         assert (first / "optimizer.pt").is_file()
 
@@ -74,6 +80,15 @@ def test_a_resumed_torchrun_job_equals_the_uninterrupted_one(
     ]
     for a, b in zip(after[0].parameters(), after[1].parameters(), strict=True):
         assert torch.equal(a, b)
+    if algorithm == "ppo":
+        critics = [
+            load_file(str(run / "checkpoints" / "step-000002" / "critic" / WEIGHTS_FILE))
+            for run in (whole, split)
+        ]
+        assert critics[0].keys() == critics[1].keys()
+        for name, tensor in critics[0].items():
+            assert torch.equal(tensor, critics[1][name]), name
+        assert critics[0]["head.weight"].abs().max() > 0  # the critic trained
     # and the step moved the weights (the comparison is not between two untouched models)
     base = load_policy(str(tiny_model_dir)).model
     assert any(

@@ -5,7 +5,8 @@
 
 Writes (rank 0) {"STRATEGY/SCENARIO": {"metrics": {...}, "params": {name: tensor}, "ref": [[...]] |
 None}} to OUT_FILE with torch.save; every scenario starts from a freshly loaded policy, in one
-process group. tests/test_torchrun.py compares it with `run_scenario(..., dist=None)` in-process.
+process group. Then ppo's critic (`run_critic`, two scenarios) and a reference loaded late
+(`run_late_reference`), each under its own key. tests/test_torchrun.py compares it with `run_scenario(..., dist=None)` in-process.
 
 Each rank seeds its RNG differently before building the policy (1000 + rank; a single process is rank
 0), so LoRA adapters start different on every rank and only `prepare_policy`'s broadcast makes the
@@ -25,6 +26,9 @@ from rlvr.build import build_optimizer, build_policy
 from rlvr.config import RunConfig, load_config
 from rlvr.records import Trajectory
 from rlvr.scale.torch_dist import DistContext
+from rlvr.train.companions import RunCritic, build_teacher
+from rlvr.train.run_setup import ensure_reference
+from rlvr.train.selection import Credit
 from rlvr.train.update import policy_update, reference_logprobs
 
 COMMON = [
@@ -53,13 +57,35 @@ SCENARIOS: dict[str, list[str]] = {
         "objective.beta=0.05",
         "objective.kl_in_reward=true",
     ],
+    # distill's teacher (the base model: the KL is 0 on the first pass and pulls on the second),
+    # sharded like the policy under fsdp, its forwards in step on every rank (padding included).
+    "distill": [
+        "train.micro_batch_size=3",
+        "algorithm=distill",
+        "distill.teacher={model}",
+        "distill.reward_weight=0.5",
+        "objective.num_iterations=2",
+    ],
+}
+# ppo's critic (rlvr.train.companions.RunCritic): values, two updates (the head starts at 0, so only
+# the second moves the backbone), values again. Full fine-tuning, and LoRA (adapters initialised
+# differently on each rank, made equal by the broadcast).
+CRITIC_SCENARIOS: dict[str, list[str]] = {
+    "critic": ["algorithm=ppo", "train.micro_batch_size=3", "critic.learning_rate=1e-3"],
+    "critic-lora": [
+        "algorithm=ppo",
+        "train.micro_batch_size=4",
+        "critic.learning_rate=1e-3",
+        "critic.lora.enabled=true",
+        "critic.lora.r=4",
+    ],
 }
 
 
 # Two AdamW steps turn float-rounding differences of near-zero gradient entries into visible weight
 # differences (the second step's m / sqrt(v) can cancel); plain SGD with lr 1 makes the weight change
 # the clipped gradient itself, which is what the distributed update must reproduce.
-SGD_SCENARIOS = {"kl"}
+SGD_SCENARIOS = {"kl", "distill"}
 
 
 def fixed_batch(one_token: bool) -> tuple[list[Trajectory], list[list[float]]]:
@@ -108,7 +134,15 @@ def uses_one_token_row(name: str) -> bool:
 
 
 def config(model_dir: str, overrides: list[str]) -> RunConfig:
-    return load_config(None, [f"model.name={model_dir}", *COMMON, *overrides])
+    filled = [o.replace("{model}", model_dir) for o in overrides]
+    return load_config(None, [f"model.name={model_dir}", *COMMON, *filled])
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether `model`'s weights are fsdp shards (DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return all(isinstance(p, DTensor) for p in model.parameters())
 
 
 def run_scenario(
@@ -127,14 +161,71 @@ def run_scenario(
         optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=1.0)
     else:
         optimizer, _ = build_optimizer(policy, cfg)  # fused AdamW, as training runs
+    teacher = None
+    if cfg.algorithm == "distill":
+        teacher = build_teacher(cfg, policy)
+        if dist is not None:
+            dist.prepare_model(teacher)
     trajectories, advantages = fixed_batch(one_token=uses_one_token_row(name))
     ref = reference_logprobs(policy, trajectories, cfg, dist)
-    metrics = policy_update(policy, optimizer, trajectories, advantages, cfg, dist=dist)
+    teacher_sharded = teacher is not None and is_sharded(teacher)
+    metrics = policy_update(
+        policy, optimizer, trajectories, advantages, cfg, teacher=teacher, dist=dist
+    )
     if dist is not None:
         params = dist.full_state_dict(policy.model)
     else:
         params = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
-    return {"metrics": metrics, "params": {k: v.clone() for k, v in params.items()}, "ref": ref}
+    return {
+        "metrics": metrics,
+        "params": {k: v.clone() for k, v in params.items()},
+        "ref": ref,
+        "teacher_sharded": teacher_sharded,
+        # and it gives back what it gathered after each forward (rlvr.scale.torch_dist.reshard)
+        "teacher_sharded_after": teacher is not None and is_sharded(teacher),
+    }
+
+
+def run_critic(model_dir: str, name: str, dist: DistContext | None) -> dict[str, Any]:
+    """A critic built as a run builds it, then values -> update -> update -> values on the fixed batch
+    (returns: the advantages plus 1, old values: the first values); the metrics of both updates, the
+    values and the trained parameters (whole)."""
+    cfg = config(model_dir, CRITIC_SCENARIOS[name])
+    torch.manual_seed(1000 + (dist.rank if dist is not None else 0))
+    critic = RunCritic(cfg, pad_token_id=0, device=torch.device("cpu"), dist=dist)
+    trajectories, advantages = fixed_batch(one_token=False)
+    returns = [[a + 1.0 for a in row] for row in advantages]
+    before = critic.token_values(trajectories)
+    credit = Credit(token_advantages=advantages, returns=returns, old_values=before)
+    first = critic.update(trajectories, credit)
+    second = critic.update(trajectories, credit)
+    return {
+        "metrics": {**{f"first/{k}": v for k, v in first.items()}, **second},
+        "values": critic.token_values(trajectories),
+        "params": critic.model.full_trainable_state(),
+        "sharded": is_sharded(critic.model),
+    }
+
+
+def run_late_reference(model_dir: str, dist: DistContext | None) -> dict[str, Any]:
+    """A full fine-tuning run that starts at beta 0 and gets its reference later (a mitigation
+    raised beta: rlvr.train.run_setup.ensure_reference), scored with the KL in the reward."""
+    cfg = config(model_dir, ["train.micro_batch_size=3"])
+    torch.manual_seed(1000 + (dist.rank if dist is not None else 0))
+    policy = build_policy(cfg)
+    if dist is not None:
+        dist.prepare_policy(policy)
+    raised = config(
+        model_dir,
+        ["train.micro_batch_size=3", "objective.beta=0.1", "objective.kl_in_reward=true"],
+    )
+    ensure_reference(policy, raised, dist)
+    trajectories, _ = fixed_batch(one_token=False)
+    assert policy._reference is not None
+    return {
+        "ref": reference_logprobs(policy, trajectories, raised, dist),
+        "sharded": is_sharded(policy._reference),
+    }
 
 
 def main() -> None:
@@ -149,6 +240,9 @@ def main() -> None:
         dist = replace(context, strategy=strategy)
         for name in names:
             results[f"{strategy}/{name}"] = run_scenario(model_dir, name, dist)
+        for name in CRITIC_SCENARIOS:
+            results[f"{strategy}/{name}"] = run_critic(model_dir, name, dist)
+        results[f"{strategy}/late-reference"] = run_late_reference(model_dir, dist)
     if context.is_main:
         torch.save(results, out_file)
     context.barrier()

@@ -128,27 +128,35 @@ class DistContext:
         `bf16` (the update's precision): fsdp gathers and computes with bf16 copies of the weights
         and reduces gradients in fp32 (FSDP2's MixedPrecisionPolicy); the shards, their gradients and
         the optimizer stay fp32."""
+        if self.fsdp:
+            embedding = policy.model.get_input_embeddings()
+            if isinstance(embedding, torch.nn.Embedding):
+                # FSDP reduce-scatters dense gradients only (see rlvr.models.sparse_tied_embedding_grad).
+                embedding.sparse = False
         models = [policy.model] + ([policy._reference] if policy._reference is not None else [])
         for model in models:
-            if self.device.type != "cpu":
-                model.to(self.device)
-            # LoRA adapters are initialised from each rank's RNG: without this the ranks would train
-            # different models. Buffers too (rotary caches are deterministic, but cheap to make sure).
-            with torch.no_grad():
-                for tensor in [*model.parameters(), *model.buffers()]:
-                    dist.broadcast(tensor.data, src=0)
+            self.prepare_model(model, bf16)
+
+    def prepare_model(self, model: Any, bf16: bool = False) -> None:
+        """One model of the run (the policy, its reference, ppo's critic, distill's teacher) placed
+        like the policy: on this rank's device, every rank holding rank 0's weights and, under fsdp,
+        sharded over the ranks. Trained models get it before their optimizer is built; a frozen one
+        (reference, teacher) forwards in lock-step with the policy's micro-batches (RankPlan), each
+        forward a collective under fsdp."""
+        if self.device.type != "cpu":
+            model.to(self.device)
+        # LoRA adapters are initialised from each rank's RNG: without this the ranks would train
+        # different models. Buffers too (rotary caches are deterministic, but cheap to make sure).
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
         if not self.fsdp:
             return
         from torch.distributed.device_mesh import init_device_mesh
 
         if self._mesh is None:
             self._mesh = init_device_mesh(self.device.type, (self.world_size,))
-        embedding = policy.model.get_input_embeddings()
-        if isinstance(embedding, torch.nn.Embedding):
-            # FSDP reduce-scatters dense gradients only (see rlvr.models.sparse_tied_embedding_grad).
-            embedding.sparse = False
-        for model in models:
-            self._fully_shard(model, bf16)
+        self._fully_shard(model, bf16)
 
     def _fully_shard(self, model: Any, bf16: bool = False) -> None:
         """FSDP2 on each decoder layer (the units whose weights are gathered one at a time) and on the
@@ -257,6 +265,22 @@ class DistContext:
             if b == 0:
                 summed = [float(v) for v in flat[offset:].tolist()]
         return summed
+
+
+def reshard(model: Any) -> None:
+    """Free the gathered weights a frozen fsdp model (a teacher) keeps after a forward: FSDP2 leaves
+    the root module's (embeddings, lm_head) unsharded until a backward that never comes. A no-op for
+    a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
+def norm_value(norm: torch.Tensor) -> float:
+    """clip_grad_norm_'s result as a float; under fsdp it is a replicated DTensor."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if callable(full) else norm)
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:

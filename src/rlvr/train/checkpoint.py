@@ -69,7 +69,8 @@ def save_checkpoint(
     sharded_model: Any = None,
     model_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write step's checkpoint atomically; `save_extra(dir)` adds more state (ppo's critic).
+    """Write step's checkpoint atomically; `save_extra(dir)` adds more state (ppo's critic); under
+    torchrun every rank calls it, and it writes its files on rank 0 (or its shards, fsdp).
 
     Single process: everything here. Under torchrun (`dist`) every rank calls it: rank 0 writes the
     weights (`model`, gathered by the caller under fsdp) and the run state, each rank its RNGs, and
@@ -90,21 +91,17 @@ def save_checkpoint(
         (tmp / "state.json").write_text(
             json.dumps({"step": step, "sampler": sampler_state, **extra_state}, indent=1)
         )
-        if save_extra is not None:
-            save_extra(tmp)
     if dist is not None:
         dist.barrier()  # the directory exists before the other ranks write into it
+    if save_extra is not None:
+        save_extra(tmp)  # on every rank: it may gather (fsdp); it writes on rank 0 only
     rank = dist.rank if dist is not None else 0
     torch.save(
         {"torch": torch.get_rng_state(), "generator": generator_rng}, tmp / _rng_name(rank, "pt")
     )
     (tmp / _rng_name(rank, "json")).write_text(json.dumps(rng_to_json()))
     if sharded_model is not None:
-        from torch.distributed.checkpoint import save
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        state = get_optimizer_state_dict(sharded_model, optimizer)
-        save({"optimizer": state}, checkpoint_id=str(tmp / "optimizer"))  # collective
+        save_sharded_optimizer(tmp, optimizer, sharded_model)
     if dist is not None:
         dist.barrier()  # every rank's part is on disk
     if main:
@@ -170,7 +167,7 @@ def load_training_state(
             "pickled RNG state is not loaded (start a new run)"
         )
     if sharded_model is not None:
-        _load_sharded_optimizer(checkpoint, optimizer, sharded_model)
+        load_sharded_optimizer(checkpoint, optimizer, sharded_model)
     else:
         if not (checkpoint / "optimizer.pt").is_file():
             raise ConfigError(
@@ -188,9 +185,19 @@ def load_training_state(
     return state, rng["generator"]
 
 
-def _load_sharded_optimizer(checkpoint: Path, optimizer: torch.optim.Optimizer, model: Any) -> None:
+def save_sharded_optimizer(directory: Path, optimizer: torch.optim.Optimizer, model: Any) -> None:
+    """The fsdp optimizer state of `model` (sharded DTensors) as a torch.distributed.checkpoint in
+    `directory/optimizer`, each rank writing its shard. A collective: every rank calls it."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer)
+    save({"optimizer": state}, checkpoint_id=str(directory / "optimizer"))
+
+
+def load_sharded_optimizer(checkpoint: Path, optimizer: torch.optim.Optimizer, model: Any) -> None:
     """The fsdp optimizer state from `checkpoint/optimizer` (torch.distributed.checkpoint) into this
-    rank's shard of it."""
+    rank's shard of it, resharded to this job's ranks. A collective: every rank calls it."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,

@@ -33,6 +33,7 @@ from rlvr.algorithms.gae import value_loss
 from rlvr.algorithms.losses import aggregate
 from rlvr.devices import device_of
 from rlvr.models import LoraSettings, add_lora, load_model_weights, resolve_model_path
+from rlvr.scale.torch_dist import DistContext, norm_value
 from rlvr.train.batch import TrainBatch, autocast_context
 
 WEIGHTS_FILE = "critic.safetensors"
@@ -85,11 +86,24 @@ class ValueModel(torch.nn.Module):
     def _trainable_state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.named_parameters() if p.requires_grad}
 
-    def save(self, directory: str | Path) -> Path:
-        """Write the trainable parameters (adapters or whole backbone, and the head) + critic.json."""
+    def full_trainable_state(self) -> dict[str, torch.Tensor]:
+        """The trainable parameters, whole and on the host. Under fsdp the parameters are shards
+        (DTensors) and this gathers them: a collective, every rank calls it."""
+        from torch.distributed.tensor import DTensor
+
+        return {
+            n: (t.full_tensor() if isinstance(t, DTensor) else t).contiguous().cpu()
+            for n, t in self._trainable_state().items()
+        }
+
+    def save(self, directory: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write the trainable parameters (adapters or whole backbone, and the head) + critic.json.
+        `state`: the parameters to write when this critic's own are fsdp shards
+        (`full_trainable_state`, gathered on every rank)."""
         target = Path(directory)
         target.mkdir(parents=True, exist_ok=True)
-        state = {n: t.contiguous().cpu() for n, t in self._trainable_state().items()}
+        if state is None:
+            state = self.full_trainable_state()
         save_file(state, str(target / WEIGHTS_FILE))
         dtype = str(next(self.backbone.parameters()).dtype).removeprefix("torch.")
         meta = {
@@ -101,7 +115,10 @@ class ValueModel(torch.nn.Module):
         return target
 
     def load_into(self, directory: str | Path) -> None:
-        """Copy saved trainable parameters into this critic (built the same way); exact."""
+        """Copy saved trainable parameters into this critic (built the same way); exact. A sharded
+        (fsdp) critic takes its own shard of each tensor."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
         state = load_file(str(Path(directory) / WEIGHTS_FILE))
         mine = dict(self.named_parameters())
         expected = set(self._trainable_state())
@@ -113,7 +130,11 @@ class ValueModel(torch.nn.Module):
             )
         with torch.no_grad():
             for name, tensor in state.items():
-                mine[name].copy_(tensor)
+                target = mine[name]
+                if isinstance(target, DTensor):
+                    whole = tensor.to(target.device, target.dtype)
+                    tensor = distribute_tensor(whole, target.device_mesh, target.placements)
+                target.copy_(tensor)
 
 
 def build_critic(
@@ -164,6 +185,8 @@ def critic_update(
     total_sequences: float | None = None,
     norm_length: float | None = None,
     bf16: bool = False,
+    real: Sequence[bool] | None = None,
+    dist: DistContext | None = None,
 ) -> dict[str, float]:
     """One optimizer step on the clipped value loss (rlvr.algorithms.gae.value_loss) over micro-batches.
 
@@ -172,53 +195,75 @@ def critic_update(
     `total_sequences` defaults to the rows of all micro-batches, `norm_length` to the widest one), so
     the step equals one full-batch step. Metrics are over policy tokens, from the values of this
     pass (before the step); a non-finite gradient skips the step and is counted.
+
+    `dist` (torchrun): `batches` are this rank's shard of the rows (rlvr.train.micro_batching.RankPlan)
+    and the normalisers count the whole batch; the gradients are summed over ranks (ddp: one
+    all-reduce; fsdp: its reduce-scatter), so every rank takes the one-process step, and the metrics
+    are whole-batch ones. `real[i]` False marks fsdp's padding micro-batches: forwarded and
+    backwarded with weight 0 to keep the ranks' collectives in step.
     """
-    if not batches:
+    if not batches and dist is None:  # under torchrun a rank may have no rows, and still sums
         raise ValueError("critic_update needs at least one micro-batch")
-    n_rows = float(sum(b.mask_B_C.shape[0] for b in batches))
+    real = list(real) if real is not None else [True] * len(batches)
+    n_rows = float(sum(b.mask_B_C.shape[0] for b, r in zip(batches, real, strict=True) if r))
     norms = {
         "total_tokens": total_tokens,
         "total_sequences": total_sequences if total_sequences is not None else n_rows,
         "norm_length": norm_length
         if norm_length is not None
-        else float(max(b.completion_width for b in batches)),
+        else float(max((b.completion_width for b in batches), default=1)),
     }
     critic.train()
     optimizer.zero_grad(set_to_none=True)
-    loss_sum = clipped_sum = count = 0.0
-    flat_values, flat_returns = [], []
-    for b, returns_B_C, old_B_C in zip(batches, returns, old_values, strict=True):
+    # Whole-batch metrics from sums (over ranks under torchrun), in float64.
+    sums = dict.fromkeys(("loss", "clipped", "count", "v", "r", "r2", "d", "d2"), 0.0)
+    for b, returns_B_C, old_B_C, is_real in zip(batches, returns, old_values, real, strict=True):
         with autocast_context(bf16):
-            values_B_C = critic.values(b)
+            values_B_C = critic(b)  # through forward: fsdp gathers the root's weights there
         values_B_C = values_B_C.float()
+        if not is_real:
+            (values_B_C.sum() * 0.0).backward()
+            continue
         loss_B_C, clipped_B_C = value_loss(values_B_C, old_B_C, returns_B_C, b.mask_B_C, clip_range)
         loss = aggregate(loss_B_C, b.mask_B_C, aggregation, **norms)
         loss.backward()
         on = b.mask_B_C != 0
-        loss_sum += float(loss.detach())
-        clipped_sum += float(clipped_B_C.sum())
-        count += float(on.sum())
-        flat_values.append(values_B_C.detach()[on])
-        flat_returns.append(returns_B_C.float()[on])
+        v_N, r_N = values_B_C.detach()[on].double(), returns_B_C[on].double()
+        sums["loss"] += float(loss.detach())
+        sums["clipped"] += float(clipped_B_C.sum())
+        sums["count"] += float(on.sum())
+        sums["v"] += float(v_N.sum())
+        sums["r"] += float(r_N.sum())
+        sums["r2"] += float((r_N * r_N).sum())
+        sums["d"] += float((r_N - v_N).sum())
+        sums["d2"] += float(((r_N - v_N) ** 2).sum())
     params = critic.trainable_parameters()
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    if dist is not None:
+        if not dist.fsdp:  # fsdp has reduce-scattered them in the backward
+            dist.sum_gradients(params, [])
+        sums = dist.all_reduce_sums(sums)
+    grad_norm = norm_value(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     skipped = not math.isfinite(grad_norm)
     if skipped:
         optimizer.zero_grad(set_to_none=True)
     else:
         optimizer.step()
 
-    values_N, returns_N = torch.cat(flat_values), torch.cat(flat_returns)
-    var_returns = float(returns_N.var(unbiased=False)) if count else float("nan")
-    residual_var = float((returns_N - values_N).var(unbiased=False)) if count else float("nan")
+    count = sums["count"]
+
+    def variance(total: float, squares: float) -> float:
+        return max(squares / count - (total / count) ** 2, 0.0)
+
+    var_returns = variance(sums["r"], sums["r2"]) if count else float("nan")
+    residual_var = variance(sums["d"], sums["d2"]) if count else float("nan")
     return {
-        "critic/value_loss": loss_sum,
-        "critic/vf_clipfrac": clipped_sum / count if count else float("nan"),
-        "critic/values_mean": float(values_N.mean()) if count else float("nan"),
-        "critic/returns_mean": float(returns_N.mean()) if count else float("nan"),
+        "critic/value_loss": sums["loss"],
+        "critic/vf_clipfrac": sums["clipped"] / count if count else float("nan"),
+        "critic/values_mean": sums["v"] / count if count else float("nan"),
+        "critic/returns_mean": sums["r"] / count if count else float("nan"),
         "critic/grad_norm": grad_norm,
         "critic/explained_variance": 1.0 - residual_var / var_returns
         if var_returns > 0

@@ -47,7 +47,6 @@ from rich.markup import escape
 
 from rlvr.config import RunConfig, load_config
 from rlvr.evaluate import check_error_fraction, check_eval_errors
-from rlvr.models import Policy
 from rlvr.observe.inspect import trajectory_rows, write_step_trajectories
 from rlvr.observe.metrics import (
     agent_metrics,
@@ -56,7 +55,7 @@ from rlvr.observe.metrics import (
     source_metrics,
     verifiability_metrics,
 )
-from rlvr.observe.monitors import Alert, Monitors, apply_changes, mitigation
+from rlvr.observe.monitors import Alert, apply_changes, mitigation
 from rlvr.observe.progress import Progress
 from rlvr.observe.tracking import Tracker
 from rlvr.observe.watchdog import watch
@@ -258,9 +257,7 @@ def record_step(
         run.tracker.log(event, step=step)
         run.progress.console.print(escape(event["message"]))
     for alert in alerts:
-        run.cfg, stop = act_on_alert(
-            alert, run.cfg, run.monitors, run.policy, run.tracker, run.progress
-        )
+        run.cfg, stop = act_on_alert(alert, run)
         run.summary.stopped_early = run.summary.stopped_early or stop
     cfg = run.cfg  # as a mitigation left it
     run.tracker.log_rollouts(rollout_rows(rollouts.sampled), step=step)
@@ -337,22 +334,16 @@ def log_alert(
     )
 
 
-def act_on_alert(
-    alert: Alert,
-    cfg: RunConfig,
-    monitors: Monitors,
-    policy: Policy,
-    tracker: Tracker,
-    progress: Progress,
-) -> tuple[RunConfig, str | None]:
+def act_on_alert(alert: Alert, run: Run) -> tuple[RunConfig, str | None]:
     """Log `alert` and carry out its action: returns the config for the next step and, for `stop`,
-    why the run stops."""
+    why the run stops. Every rank acts alike (the alerts come from rank 0's broadcast metrics)."""
+    cfg = run.cfg
     changes = mitigation(cfg, alert.name) if alert.action == "mitigate" else None
     if changes:
         cfg = apply_changes(cfg, changes)
-        monitors.changes.update(changes)
-        ensure_reference(policy, cfg)
-    log_alert(alert, tracker, progress, changes)
+        run.monitors.changes.update(changes)
+        ensure_reference(run.policy, cfg, run.dist, run.precision.bf16)
+    log_alert(alert, run.tracker, run.progress, changes)
     return cfg, f"{alert.name}: {alert.message}" if alert.action == "stop" else None
 
 

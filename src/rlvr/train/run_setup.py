@@ -44,6 +44,7 @@ from rlvr.plan import check_fits
 from rlvr.registry import ALGORITHMS
 from rlvr.rollout.engine import RolloutLimits
 from rlvr.rollout.generator import SamplingParams
+from rlvr.scale.torch_dist import DistContext
 from rlvr.tasks import TaskSplits
 from rlvr.train import precision_choice
 from rlvr.train.checkpoint import (
@@ -214,11 +215,13 @@ def build_trainer(run: Run) -> None:
     run.algorithm = algorithm = ALGORITHMS.resolve(cfg.algorithm)
     # ppo's value model and distill's teacher: built only for the algorithms that use them.
     run.critic = (
-        RunCritic(cfg, int(policy.tokenizer.pad_token_id), device_of(policy.model))
+        RunCritic(cfg, int(policy.tokenizer.pad_token_id), device_of(policy.model), dist)
         if algorithm.needs_critic
         else None
     )
     run.teacher = build_teacher(cfg, policy) if algorithm.needs_teacher else None
+    if dist is not None and run.teacher is not None:
+        dist.prepare_model(run.teacher)  # sharded under fsdp: forwards in step with the policy
     metrics_of = {s.metric for s in run.sources}
     run.monitors = Monitors(
         cfg.monitors,
@@ -249,7 +252,7 @@ def restore(run: Run) -> None:
     run.start_step = int(state["step"])
     run.monitors.load_state_dict(state.get("monitors", {}))
     run.cfg = apply_changes(run.cfg, run.monitors.changes)  # mitigations made before the checkpoint
-    ensure_reference(run.policy, run.cfg)
+    ensure_reference(run.policy, run.cfg, dist, run.precision.bf16)
     run.plan.after_resume(run.start_step)
 
 
@@ -335,12 +338,18 @@ def save(run: Run, step: int) -> None:
     )
 
 
-def ensure_reference(policy: Policy, cfg: RunConfig) -> None:
+def ensure_reference(
+    policy: Policy, cfg: RunConfig, dist: DistContext | None = None, bf16: bool = False
+) -> None:
     """Give a full fine-tuning run a reference once beta > 0 (a mitigation raised it from 0): the
     base model, frozen, which is what a run started with that beta would have (so a resume matches).
-    LoRA needs none: its reference is the base with adapters disabled."""
+    LoRA needs none: its reference is the base with adapters disabled. Under torchrun (`dist`) every
+    rank calls it at the same step (the alerts are rank 0's, broadcast) and the reference is placed
+    like the policy's: sharded under fsdp, gathered in bf16 when the update is (`bf16`)."""
     if cfg.objective.beta > 0 and not policy.lora and policy._reference is None:
         # Loading must not move the run's RNG: a resumed run loads it at another moment.
         with torch.random.fork_rng(devices=[]):
             reference = load_policy(cfg.model.name, device=device_of(policy.model)).model
             policy._reference = reference.eval().requires_grad_(False)
+        if dist is not None:
+            dist.prepare_model(policy._reference, bf16)

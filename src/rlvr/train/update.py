@@ -41,7 +41,7 @@ from rlvr.models import Policy
 from rlvr.observe.flops import backward_flops, forward_flops, linear_weights
 from rlvr.records import Trajectory
 from rlvr.registry import ALGORITHMS
-from rlvr.scale.torch_dist import DistContext
+from rlvr.scale.torch_dist import DistContext, norm_value, reshard
 from rlvr.train.batch import (
     TrainBatch,
     disable_dropout,
@@ -92,6 +92,20 @@ class UpdateTerms:
             fused=self.fused,
         )
 
+    @torch.no_grad()
+    def teacher_distribution(self, b: TrainBatch) -> torch.Tensor:
+        """The teacher's (B, C, V) next-token log-distribution on `b` (no gradient)."""
+        teacher_B_C_V = token_distributions(
+            self.teacher,
+            b,
+            self.cfg.sampling.temperature,
+            bf16=self.bf16,
+            share_prefix=self.share,
+        )[2]
+        assert teacher_B_C_V is not None
+        reshard(self.teacher)  # fsdp: no backward follows to free the root's gathered weights
+        return teacher_B_C_V
+
 
 def policy_update(
     policy: Policy,
@@ -130,8 +144,12 @@ def policy_update(
         for i, b in enumerate(batches):
             if not real[i]:
                 # fsdp padding: the forward and backward keep this rank in step with the others
-                # (each is a collective); a zero loss adds nothing to the gradient.
-                (terms.forward(model, b, full=True)[0].sum() * 0.0).backward()
+                # (each is a collective, the teacher's forward too, in the order of a real
+                # micro-batch's); a zero loss adds nothing to the gradient.
+                padding_loss = terms.forward(model, b, full=True)[0].sum() * 0.0
+                if terms.teacher is not None:
+                    terms.teacher_distribution(b)
+                padding_loss.backward()
                 continue
             old_B_C = None if old_logprobs is None else old_logprobs[i]
             ref_B_C = None if ref_logprobs is None else ref_logprobs[i]
@@ -283,6 +301,7 @@ def fixed_logprobs(
         if terms.kl_in_loss:
             with policy.reference(bf16_matmuls=terms.bf16) as ref:
                 ref_logprobs = [terms.forward(ref, b)[0] for b in batches]
+                reshard(ref)  # fsdp: a frozen model gets no backward to free what it gathered
     return old_logprobs, ref_logprobs
 
 
@@ -338,15 +357,7 @@ def micro_batch_backward(
         per_token_B_C = per_token_B_C - obj.entropy_coef * entropy_B_C
     if terms.teacher is not None:
         assert full_B_C_V is not None
-        with torch.no_grad():
-            teacher_B_C_V = token_distributions(
-                terms.teacher,
-                b,
-                terms.cfg.sampling.temperature,
-                bf16=terms.bf16,
-                share_prefix=terms.share,
-            )[2]
-        assert teacher_B_C_V is not None
+        teacher_B_C_V = terms.teacher_distribution(b)
         distill_B_C = full_reverse_kl(full_B_C_V, teacher_B_C_V)
         per_token_B_C = per_token_B_C + distill_B_C
         add("distill", zero_outside(distill_B_C.detach(), mask).sum())
@@ -379,7 +390,7 @@ def optimizer_step(
         # every rank skip (or take) the step together.
         flag = dist.sum_gradients(policy.trainable_parameters(), [float(not finite_loss)])
         finite_loss = flag[0] == 0
-    grad_norm = _as_float(
+    grad_norm = norm_value(
         torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), max_grad_norm)
     )
     if not (math.isfinite(grad_norm) and finite_loss):
@@ -450,12 +461,6 @@ def _update_flops(
     return forward * (extra_forwards + obj.num_iterations) + backward * obj.num_iterations
 
 
-def _as_float(norm: torch.Tensor) -> float:
-    """clip_grad_norm_'s result as a float; under fsdp it is a replicated DTensor."""
-    full = getattr(norm, "full_tensor", None)
-    return float(full() if callable(full) else norm)
-
-
 def reference_logprobs(
     policy: Policy,
     trajectories: Sequence[Trajectory],
@@ -482,7 +487,7 @@ def reference_logprobs(
     )
     policy.model.eval()
     with policy.reference(bf16_matmuls=bf16) as ref:
-        return per_token_scores(
+        scores = per_token_scores(
             lambda b: token_logprobs(
                 ref,
                 b,
@@ -497,3 +502,5 @@ def reference_logprobs(
             dist,
             device_of(policy.model),
         )
+        reshard(ref)  # fsdp: a frozen model gets no backward to free what it gathered
+    return scores
