@@ -105,6 +105,17 @@ def test_fsdp_shards_weights_and_ddp_does_not() -> None:
     assert _item(ddp, "weights") == _item(one, "weights")
 
 
+def test_fsdp_shards_the_critic_like_the_policy() -> None:
+    # prepare_model shards the critic (and a distill teacher) as it does the policy; ddp copies it whole
+    one, four = (
+        estimate(_tiny("algorithm=ppo", "distributed.strategy=fsdp"), device="cuda", gpus=n)
+        for n in (1, 4)
+    )
+    assert _item(four, "critic") == _item(one, "critic") // 4 > 0
+    ddp = estimate(_tiny("algorithm=ppo", "distributed.strategy=ddp"), device="cuda", gpus=4)
+    assert _item(ddp, "critic") == _item(one, "critic")
+
+
 def _smol(*sets: str) -> object:
     return load_config(EXAMPLES / "quickstart.yaml", ["model.bf16=off", *sets])
 

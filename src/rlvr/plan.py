@@ -12,7 +12,7 @@ Persistent: weights* 4P (full FT; LoRA: 4T + the frozen base, its matmul weights
     stored in bf16: a bf16 update on a GPU, or the CPU's bf16 sampler), gradients* 4T, AdamW* 8T
     (two fp32 moments, torch's fused kernel: no temporaries), reference* (full FT with beta > 0: a
     copy, matmul weights bf16 under bf16), ppo's critic (backbone + value head: 4 bytes each, 12
-    more per trained one), distill's teacher (4P'), an async producer's or fsdp's sampling copy (4P).
+    more per trained one)*, distill's teacher (4P')*, an async producer's or fsdp's sampling copy (4P).
 Update (one micro-batch while the gradients are whole: not the first micro-batch):
     activations: what autograd saves, per token and layer (a census with
         `torch.autograd.graph.saved_tensors_hooks` of HF's Llama and Qwen2 in training mode):
@@ -420,11 +420,10 @@ def _estimate(cfg: RunConfig, s: ModelShape, kind: str, gpus: int, lp: int, how:
         backbone = critic.total - critic.head + critic.hidden + 1
         cl = cfg.critic.lora
         lora_ct = critic.lora_params(cl.r, cl.target_modules) + critic.hidden + 1
-        add(
-            "critic", 4 * backbone + 12 * (lora_ct if cl.enabled else backbone), P, "+ grads, AdamW"
-        )
+        critic_bytes = 4 * backbone + 12 * (lora_ct if cl.enabled else backbone)
+        add("critic", critic_bytes / shard, P, "+ grads, AdamW")  # sharded like the policy
     if needs_teacher and cfg.distill.teacher:
-        add("teacher", 4 * load_shape(cfg.distill.teacher).total, P, "frozen, fp32")
+        add("teacher", 4 * load_shape(cfg.distill.teacher).total / shard, P, "frozen, fp32")
     if cfg.rollout.async_rollouts or (fsdp and path != "none"):
         add("sampling copy", 4 * s.total, P, "async producer's / fsdp's unsharded fp32")
     if fsdp:
