@@ -18,6 +18,7 @@ few points as noise (--seeds averages over several).
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
@@ -57,13 +58,15 @@ def run_one(
     train(cfg, config_dir=config.parent)
     seconds = time.perf_counter() - started
     rows = read_metrics(out_dir)
+    shutil.rmtree(out_dir, ignore_errors=True)  # metrics read: nothing else of the run is kept
     steps_rows = [r for r in rows if "loss" in r and "event" not in r]
     # eval/accuracy is the held-out score by the task's metric (eval.metric), greedy.
     evals = [r for r in rows if "eval/accuracy" in r]
     first, final = (evals[0], evals[-1]) if evals else ({}, {})
 
     def mean(key: str, of: list[dict[str, Any]] = steps_rows) -> float:
-        values = [r[key] for r in of if key in r]
+        # A step with nothing to measure logs null (NaN in the jsonl): left out of the mean.
+        values = [r[key] for r in of if r.get(key) is not None]
         return statistics.fmean(values) if values else float("nan")
 
     return {
@@ -94,9 +97,9 @@ def main() -> None:
     print(f"config {args.config.name}, k = {args.k}, {args.steps} steps, seeds {seeds}")
     print(
         "| correction | held-out start | held-out end | train reward (last 5) | "
-        "behaviour gap / token | capped | masked | staleness | s/run |"
+        "behaviour gap / token | capped | masked | staleness | s/run | end per seed |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for correction in args.corrections.split(","):
         runs = [
             run_one(args.config, args.k, correction, args.steps, s, args.eval_n, args.set)
@@ -106,10 +109,12 @@ def main() -> None:
         def avg(key: str, runs: list[dict[str, Any]] = runs) -> float:
             return statistics.fmean(r[key] for r in runs)
 
+        per_seed = ", ".join(f"{r['eval_end']:.2f}" for r in runs)
         print(
             f"| {correction} | {avg('eval_start'):.3f} | {avg('eval_end'):.3f} | "
             f"{avg('reward_last5'):.3f} | {avg('gap'):.4f} | {avg('capped'):.3f} | "
-            f"{avg('masked'):.3f} | {avg('staleness'):.2f} | {avg('seconds'):.0f} |",
+            f"{avg('masked'):.3f} | {avg('staleness'):.2f} | {avg('seconds'):.0f} | "
+            f"{per_seed} |",
             flush=True,
         )
 

@@ -221,7 +221,8 @@ def build_trainer(run: Run) -> None:
     )
     run.teacher = build_teacher(cfg, policy) if algorithm.needs_teacher else None
     if dist is not None and run.teacher is not None:
-        dist.prepare_model(run.teacher)  # sharded under fsdp: forwards in step with the policy
+        # sharded under fsdp (gathered in bf16 as the policy is): forwards in step with the policy
+        dist.prepare_model(run.teacher, run.precision.bf16)
     metrics_of = {s.metric for s in run.sources}
     run.monitors = Monitors(
         cfg.monitors,
