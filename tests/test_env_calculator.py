@@ -93,7 +93,8 @@ def test_the_demonstration_is_a_worked_tool_call_exchange() -> None:
 
 def _env(answer: int = 168) -> CalculatorEnv:
     task = CalculatorFamily({"num_operations": 1}).generate(0)
-    return CalculatorEnv(type(task)(task.id, task.messages, {"answer": answer}))
+    question = {"role": "user", "content": "A crate holds 12 bottles. How many in 14 crates?"}
+    return CalculatorEnv(type(task)(task.id, (*task.messages[:-1], question), {"answer": answer}))
 
 
 def test_a_tool_call_then_the_right_answer_succeeds_and_counts_the_call() -> None:
@@ -125,6 +126,29 @@ def test_the_verifier_on_known_answers(reply: str, success: float, fmt: float) -
     assert step.done
     assert step.rewards["success"] == success and step.rewards["format"] == fmt
     assert step.rewards["used_tool"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("expression", "counts"),
+    [
+        ("12 * 14", True),
+        ("(14 * 12)", True),
+        ("12 + 14", True),  # a wrong operation still computes with the question: success decides
+        ("12 * (14 - 12)", True),  # 12 occurs once in the question: used once, 14 makes two
+        ("18", False),  # the collapse seen in training: one bare number, its result answered
+        ("168", False),
+        ("12", False),
+        ("12 * 3", False),  # one of the question's numbers
+        ("99 * 98", False),  # none of them
+        ("12 14", False),  # no operator: not an arithmetic expression (and it fails to parse)
+    ],
+)
+def test_used_tool_counts_only_a_call_computing_with_the_question(
+    expression: str, counts: bool
+) -> None:
+    env = _env()
+    env.step(call(expression))
+    assert env.step("<answer>168</answer>").rewards["used_tool"] == float(counts)
 
 
 def test_a_failed_call_does_not_count_as_using_the_tool() -> None:

@@ -8,8 +8,12 @@ output reaches it as an observation and never receives gradient.
 Turn protocol (ToolEnv): a turn with a `<tool_call>` runs the calculator and returns its result; a
 turn without one is the final answer, checked against the exact value (`<answer>N</answer>`, else the
 last number in the turn). Reward parts: `success` (1.0 for the exact answer), `format` (1.0 when the
-final answer is in an answer tag; weight 0.1), `used_tool` (1.0 when at least one call returned a
-result; weight 0: logged, not optimised, so the policy is paid for answers, not for calling).
+final answer is in an answer tag; weight 0.1), `used_tool` (1.0 when at least one call computed with
+the question: it returned a result, and its expression has an operator over at least two of the
+question's numbers; weight 0: logged, not optimised, so the policy is paid for answers, not for
+calling). Why not any call that returned a result: given a shaping weight (the example configs'
+0.3), SmolLM2 learned within 5 steps to call the calculator on one bare number (`"18"`) and answer
+it, which that looser rule paid in full (docs/efficacy_notes.md, calculator 1-op, 2026-12-04).
 
 Demonstration policy (rlvr.authoring.demos): `random_action` calls the calculator once on an expression
 over EVERY number of the question (in a random order, with random operators from + - * and a random
@@ -183,6 +187,7 @@ class CalculatorEnv(ToolEnv):
         super().__init__([CALCULATOR])
         self.task = task
         self.answer = int(task.fields["answer"])
+        self.question_numbers = re.findall(r"\d+", str(task.messages[-1]["content"]))
         self.calls_ok = 0
 
     def reset(self) -> EnvReset:
@@ -190,9 +195,27 @@ class CalculatorEnv(ToolEnv):
 
     def step(self, assistant_text: str) -> EnvStep:
         result = super().step(assistant_text)
-        failures = int(result.info.get("tool_failures", 0))
-        self.calls_ok += int(result.info.get("tool_calls", 0)) - failures
+        # A call counts when it returned a result and computed with the question (see the module).
+        calls = self.tool_format.parse(assistant_text)
+        for call, message in zip(calls, result.messages, strict=False):
+            expression = call.arguments.get("expression") if call.error is None else None
+            returned = not str(message.get("content", "")).startswith("Error")
+            if returned and isinstance(expression, str) and self._on_question(expression):
+                self.calls_ok += 1
         return result
+
+    def _on_question(self, expression: str) -> bool:
+        """The expression applies an operator to at least two of the question's numbers (each
+        number of the question used at most as often as it occurs there)."""
+        if not re.search(r"\d\s*[-+*/×÷]\s*\(*\s*\d", expression):
+            return False
+        left = list(self.question_numbers)
+        used = 0
+        for number in re.findall(r"\d+", expression):
+            if number in left:
+                left.remove(number)
+                used += 1
+        return used >= 2
 
     def finish(self, assistant_text: str) -> EnvStep:
         tagged = extract_tagged(assistant_text, "answer")
