@@ -134,7 +134,8 @@ def test_the_verifier_on_known_answers(reply: str, success: float, fmt: float) -
         ("12 * 14", True),
         ("(14 * 12)", True),
         ("12 + 14", True),  # a wrong operation still computes with the question: success decides
-        ("12 * (14 - 12)", True),  # 12 occurs once in the question: used once, 14 makes two
+        ("12 * (14 - 12)", True),
+        ("(12 + 1) * 14", True),
         ("18", False),  # the collapse seen in training: one bare number, its result answered
         ("168", False),
         ("12", False),
@@ -143,12 +144,26 @@ def test_the_verifier_on_known_answers(reply: str, success: float, fmt: float) -
         ("12 14", False),  # no operator: not an arithmetic expression (and it fails to parse)
     ],
 )
-def test_used_tool_counts_only_a_call_computing_with_the_question(
+def test_used_tool_counts_only_calls_computing_with_the_question(
     expression: str, counts: bool
 ) -> None:
     env = _env()
     env.step(call(expression))
     assert env.step("<answer>168</answer>").rewards["used_tool"] == float(counts)
+
+
+def test_used_tool_counts_the_question_numbers_over_several_calls() -> None:
+    env = _env()
+    env.step(call("12 * 3"))  # 14 not used yet
+    env.step(call("36 + 14"))
+    assert env.step("<answer>168</answer>").rewards["used_tool"] == 1.0
+    # two of three numbers (the 2-operation collapse): no shaping credit
+    task = CalculatorFamily({"num_operations": 2}).generate(0)
+    numbers = re.findall(r"\d+", str(task.messages[-1]["content"]))
+    assert len(set(numbers)) == 3, task.messages[-1]
+    env = CalculatorEnv(task)
+    env.step(call(f"{numbers[0]} * {numbers[1]}"))
+    assert env.step("<answer>1</answer>").rewards["used_tool"] == 0.0
 
 
 def test_a_failed_call_does_not_count_as_using_the_tool() -> None:

@@ -8,12 +8,13 @@ output reaches it as an observation and never receives gradient.
 Turn protocol (ToolEnv): a turn with a `<tool_call>` runs the calculator and returns its result; a
 turn without one is the final answer, checked against the exact value (`<answer>N</answer>`, else the
 last number in the turn). Reward parts: `success` (1.0 for the exact answer), `format` (1.0 when the
-final answer is in an answer tag; weight 0.1), `used_tool` (1.0 when at least one call computed with
-the question: it returned a result, and its expression has an operator over at least two of the
-question's numbers; weight 0: logged, not optimised, so the policy is paid for answers, not for
-calling). Why not any call that returned a result: given a shaping weight (the example configs'
-0.3), SmolLM2 learned within 5 steps to call the calculator on one bare number (`"18"`) and answer
-it, which that looser rule paid in full (docs/efficacy_notes.md, calculator 1-op, 2026-12-04).
+final answer is in an answer tag; weight 0.1), `used_tool` (1.0 when the calls computed with
+the whole question: calls that returned a result, each applying an operator, used between them
+every number of the question; weight 0: logged, not optimised, so the policy is paid for answers,
+not for calling). Why not any call that returned a result: given a shaping weight (the example
+configs' 0.3), SmolLM2 learned within 5 steps to call the calculator on one bare number (`"18"`)
+and answer it, and on 2-operation problems to multiply two of the three numbers and answer that;
+the looser rule paid both in full (docs/efficacy_notes.md, calculator rows).
 
 Demonstration policy (rlvr.authoring.demos): `random_action` calls the calculator once on an expression
 over EVERY number of the question (in a random order, with random operators from + - * and a random
@@ -50,6 +51,7 @@ from rlvr.records import Task
 from rlvr.verifiers.builtin import extract_last_number, extract_tagged
 
 _MAX_EXPRESSION_CHARS = 200
+_OPERATION = re.compile(r"\d\s*\)*\s*[-+*/×÷]\s*\(*\s*\d")  # an operator between two operands
 _MAX_MAGNITUDE = 10**12
 
 
@@ -187,35 +189,25 @@ class CalculatorEnv(ToolEnv):
         super().__init__([CALCULATOR])
         self.task = task
         self.answer = int(task.fields["answer"])
-        self.question_numbers = re.findall(r"\d+", str(task.messages[-1]["content"]))
-        self.calls_ok = 0
+        self.question_numbers = set(re.findall(r"\d+", str(task.messages[-1]["content"])))
+        self.numbers_used: set[str] = (
+            set()
+        )  # the question's numbers the returned calls computed with
 
     def reset(self) -> EnvReset:
         return EnvReset([dict(m) for m in self.task.messages], self.tool_schemas)
 
     def step(self, assistant_text: str) -> EnvStep:
         result = super().step(assistant_text)
-        # A call counts when it returned a result and computed with the question (see the module).
+        # The question's numbers each returned call computed with (an operator applied: a bare
+        # number is no computation); used_tool asks for all of them (see the module docstring).
         calls = self.tool_format.parse(assistant_text)
         for call, message in zip(calls, result.messages, strict=False):
             expression = call.arguments.get("expression") if call.error is None else None
             returned = not str(message.get("content", "")).startswith("Error")
-            if returned and isinstance(expression, str) and self._on_question(expression):
-                self.calls_ok += 1
+            if returned and isinstance(expression, str) and _OPERATION.search(expression):
+                self.numbers_used |= self.question_numbers & set(re.findall(r"\d+", expression))
         return result
-
-    def _on_question(self, expression: str) -> bool:
-        """The expression applies an operator to at least two of the question's numbers (each
-        number of the question used at most as often as it occurs there)."""
-        if not re.search(r"\d\s*[-+*/×÷]\s*\(*\s*\d", expression):
-            return False
-        left = list(self.question_numbers)
-        used = 0
-        for number in re.findall(r"\d+", expression):
-            if number in left:
-                left.remove(number)
-                used += 1
-        return used >= 2
 
     def finish(self, assistant_text: str) -> EnvStep:
         tagged = extract_tagged(assistant_text, "answer")
@@ -227,7 +219,9 @@ class CalculatorEnv(ToolEnv):
         rewards = {
             "success": float(correct),
             "format": float(tagged is not None),
-            "used_tool": float(self.calls_ok > 0),
+            "used_tool": float(
+                bool(self.numbers_used) and self.numbers_used == self.question_numbers
+            ),
         }
         return EnvStep(rewards=rewards, done=True)
 
