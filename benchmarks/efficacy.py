@@ -123,6 +123,9 @@ ROWS = [
                                       "rollout.max_total_tokens=192")),
     Row("calculator-2op-curriculum", "calculator, 2 operations, via a 1 -> 2 curriculum",
         "env_calculator_curriculum.yaml", ">= 50%", target_after=0.50),
+    Row("calculator-1op-warmup", "calculator, 1 operation; format warm-up (random operations on the "
+        "question's numbers), then RL", "env_calculator_1op_warmup.yaml",
+        ">= 90%, tool used in >= 95%", target_after=0.90, min_tool_rate=0.95, pipeline=True),
     Row("calculator-2op-warmup", "calculator, 2 operations; format warm-up (random expressions over "
         "every number), then RL", "env_calculator_2op_warmup.yaml", ">= 50%", target_after=0.50,
         pipeline=True),
