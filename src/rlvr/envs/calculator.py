@@ -190,9 +190,8 @@ class CalculatorEnv(ToolEnv):
         self.task = task
         self.answer = int(task.fields["answer"])
         self.question_numbers = set(re.findall(r"\d+", str(task.messages[-1]["content"])))
-        self.numbers_used: set[str] = (
-            set()
-        )  # the question's numbers the returned calls computed with
+        # The question's numbers that the calls which returned a result computed with.
+        self.numbers_used: set[str] = set()
 
     def reset(self) -> EnvReset:
         return EnvReset([dict(m) for m in self.task.messages], self.tool_schemas)
