@@ -92,6 +92,15 @@ class UpdateTerms:
             fused=self.fused,
         )
 
+    def padding_backward(self, model: Any, b: TrainBatch) -> None:
+        """An fsdp padding micro-batch: the forward and backward keep this rank in step with the
+        others (each is a collective, the teacher's forward too, in the order of a real
+        micro-batch's); the zero loss adds nothing to the gradient."""
+        padding_loss = self.forward(model, b, full=True)[0].sum() * 0.0
+        if self.teacher is not None:
+            self.teacher_distribution(b)
+        padding_loss.backward()
+
     @torch.no_grad()
     def teacher_distribution(self, b: TrainBatch) -> torch.Tensor:
         """The teacher's (B, C, V) next-token log-distribution on `b` (no gradient)."""
@@ -142,14 +151,8 @@ def policy_update(
         optimizer.zero_grad(set_to_none=True)
         finite_loss = True
         for i, b in enumerate(batches):
-            if not real[i]:
-                # fsdp padding: the forward and backward keep this rank in step with the others
-                # (each is a collective, the teacher's forward too, in the order of a real
-                # micro-batch's); a zero loss adds nothing to the gradient.
-                padding_loss = terms.forward(model, b, full=True)[0].sum() * 0.0
-                if terms.teacher is not None:
-                    terms.teacher_distribution(b)
-                padding_loss.backward()
+            if not real[i]:  # fsdp padding: keeps this rank's collectives in step, adds nothing
+                terms.padding_backward(model, b)
                 continue
             old_B_C = None if old_logprobs is None else old_logprobs[i]
             ref_B_C = None if ref_logprobs is None else ref_logprobs[i]
