@@ -9,6 +9,10 @@ off-policy correction's weight (`objective.off_policy_correction`, rlvr.algorith
 truncated IS per token when `objective.tis_cap` is set and no correction is named), the KL term is
 here only when it is not in the reward (`objective.kl_in_reward`), and the teacher term only for
 `algorithm: distill`.
+
+Over the 500-line guide (~510): the update's stages (prepare, fixed log-probs, micro-batch backward,
+optimizer step, metrics) and the reference scoring read together; each function is under the
+80-line stage limit (tests/test_loop_shape.py). Next split: reference_logprobs into its own module.
 """
 
 from __future__ import annotations
