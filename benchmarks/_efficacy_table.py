@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import _efficacy_chance as chance_lib
+import _efficacy_seeds as seeds_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,9 +24,13 @@ def render(
     results: list[dict[str, Any]],
     chance: list[dict[str, Any]] | None = None,
 ) -> str:
-    """docs/efficacy.md from the newest result of every row and the newest chance / solver record
-    of every row (`--chance-results`); rows not yet measured say so."""
-    newest = {r["row"]: r for r in results}
+    """docs/efficacy.md from the newest series of seeds of every row (_efficacy_seeds.py) and the
+    newest chance / solver record of every row (`--chance-results`); rows not yet measured say so."""
+    newest_of = {r["row"]: r for r in results}
+    newest = {
+        name: seeds_lib.combine(seeds_lib.newest_series(results, name), last)
+        for name, last in newest_of.items()
+    }
     policies = {(c["row"], c["policy"]): c for c in chance or []}
     lines = [
         "# Efficacy: what training teaches SmolLM2-135M-Instruct, held-out before and after",
@@ -60,8 +65,15 @@ def render(
         "so the gain RL adds is shown apart (\"RL alone\", against the warm-up); their `train min`",
         "includes the warm-up.",
         "",
-        "| task | target | metric | n | chance | solver | before | after warm-up | after | gain over chance (95% CI) | gain over before (95% CI) | mean@k before -> after | tool calls | turns | steps | train min | met | CPU; precision | command |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "A row measured on several seeds (`--seeds 0 1 2`: `train.seed` of every stage) shows the",
+        "mean over its seeds in `before`, `after warm-up`, `after` and the gains, whose intervals",
+        "are then over instances of the per-instance mean over seeds; `seeds` lists each seed's",
+        "`after` and their standard deviation (how much one run varies), `steps` each seed's steps",
+        "and `train min` the slowest seed's. Only results measured the same way (the same command",
+        "but the seed, the same held-out set) are averaged.",
+        "",
+        "| task | target | metric | n | chance | solver | before | after warm-up | after | seeds: after each | gain over chance (95% CI) | gain over before (95% CI) | mean@k before -> after | tool calls | turns | steps | train min | met | CPU; precision | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for row in rows:
         r = newest.get(row.name)
@@ -76,7 +88,7 @@ def render(
         if r is None:
             lines.append(
                 f"| {row.task} | {row.target} | {metric} | {row.not_run or 'not measured yet'} | "
-                f"{chance_cell} | {solver_cell} |{' |' * 13}"
+                f"{chance_cell} | {solver_cell} |{' |' * 14}"
             )
             continue
         k = r["k"]
@@ -95,6 +107,7 @@ def render(
             gain += (
                 f"; RL alone {100 * r['rl_gain']:+.1f} ({100 * rl_low:+.1f}, {100 * rl_high:+.1f})"
             )
+        steps = ", ".join(str(s) for s in r.get("steps_each", [r["steps"]]))
         changed = rand is not None and heldout_changed(r, rand)
         over_chance = None
         if changed:
@@ -112,8 +125,8 @@ def render(
         lines.append(
             f"| {r['task']} | {r['target']} | {metric} | {r['n']} | {chance_cell} | "
             f"{solver_cell} | {r['before']:.1%} | {'' if warm is None else f'{warm:.1%}'} | "
-            f"{r['after']:.1%} | {chance_gain} | {gain} | {mean_k} | "
-            f"{r['tool_call_rate_after']:.0%} | {r['turns_after']:.1f} | {r['steps']} | "
+            f"{r['after']:.1%} | {seeds_lib.spread_text(r)} | {chance_gain} | {gain} | {mean_k} | "
+            f"{r['tool_call_rate_after']:.0%} | {r['turns_after']:.1f} | {steps} | "
             f"{r['train_minutes']:.1f} | {verdict} | {r['cpu']}; "
             f"{r.get('precision', PRECISION_BEFORE_IT_WAS_RECORDED)} | "
             f"`{r['command']}` |"

@@ -28,13 +28,15 @@ solution and reachable start state: tests/test_splits.py); nothing here is tuned
 examples as committed. Each finished row is appended to `--results` (JSONL, one object per row and
 run), and `--out` (docs/efficacy.md) is regenerated from the newest result of every row, so rows
 can be measured in separate invocations: the table is the instrument's output, never hand-edited.
+`--seeds 0 1 2` measures a row once per seed (`train.seed` of every stage); the table averages the
+newest series of seeds measured the same way and shows their spread (_efficacy_seeds.py).
 
 The chance column and the solver ceiling (_efficacy_chance.py) need no model: `--chance-only` plays
 each env row's random legal policy and scripted solver on its held-out instances (seconds a row) and
 appends them, per instance, to --chance-results; the table reads the newest of each.
 
 Usage: python benchmarks/efficacy.py [--rows arithmetic calculator-1op ...] [--budget-minutes 30]
-       [--n 200] [--k 4] [--list] [--warmup-set train.steps=8] [--no-base-cache]
+       [--n 200] [--k 4] [--seeds 0 1 2] [--list] [--warmup-set train.steps=8] [--no-base-cache]
        [--chance-only [--chance-episodes 8]] [--render-only]
        (`make efficacy` runs every row: hours on 2 cores)
 """
@@ -354,6 +356,7 @@ def row_result(
         "steps": steps,
         "train_minutes": wall,
         "budget_minutes": budget_minutes,
+        "seed": cfg.train.seed,  # the RL run's (rows measured on several seeds: _efficacy_seeds.py)
         "cpu": cpu_kind(),
         "precision": precision_text(cfg, trained),
         "date": time.strftime("%Y-%m-%d"),
@@ -588,6 +591,13 @@ def main() -> None:
         default=[],
         help="overrides of a warm-up row's stages before RL (e.g. train.steps=8)",
     )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help="measure each row once per seed (train.seed of every stage); the table shows the "
+        "mean over the row's seeds and their spread",
+    )
     parser.add_argument("--base-cache", type=Path, help="default: efficacy-cache by --runs-dir")
     parser.add_argument("--no-base-cache", action="store_true", help="score the base model again")
     parser.add_argument(
@@ -621,16 +631,21 @@ def main() -> None:
         cache = base_cache.Cache(where, refresh=args.no_base_cache)
         for name in args.rows:
             row = BY_NAME[name]
-            measure_args = (row, args.budget_minutes, args.n, args.k, args.runs_dir, args.extra)
-            result = (
-                measure_warmup(*measure_args, args.warmup_extra, cache)
-                if row.pipeline
-                else measure(*measure_args, cache)
-            )
-            with args.results.open("a") as f:
-                f.write(json.dumps(result) + "\n")
-            results = [json.loads(line) for line in args.results.read_text().splitlines()]
-            args.out.write_text(render(results, read_jsonl(args.chance_results)))
+            for seed in args.seeds or [None]:
+                # Each seed is a run of its own; the table averages a row's series of seeds.
+                seeded = [] if seed is None else [f"train.seed={seed}"]
+                extra = [*args.extra, *seeded]
+                measure_args = (row, args.budget_minutes, args.n, args.k, args.runs_dir, extra)
+                result = (
+                    measure_warmup(*measure_args, [*args.warmup_extra, *seeded], cache)
+                    if row.pipeline
+                    else measure(*measure_args, cache)
+                )
+                with args.results.open("a") as f:
+                    f.write(json.dumps(result) + "\n")
+                args.out.write_text(
+                    render(read_jsonl(args.results), read_jsonl(args.chance_results))
+                )
     args.out.write_text(render(read_jsonl(args.results), read_jsonl(args.chance_results)))
     print(f"wrote {args.out}")
 

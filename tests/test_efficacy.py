@@ -532,3 +532,104 @@ def test_a_row_left_unrun_on_purpose_says_why(efficacy: ModuleType) -> None:
     }  # fmt: skip
     line = sokoban_line(efficacy.render([measured]))
     assert "not run" not in line and "| 200 |  |  | 0.0% |  | 2.0% |" in line
+
+
+def seed_result(seed: int | None, after: list[float], command_tail: str = "", **more: Any) -> dict:
+    """A row result as efficacy.py writes it, for the arithmetic row on 4 instances (no chance
+    record: arithmetic has no env), `seed` None standing for a result from before seeds were
+    recorded."""
+    before = [0.0, 0.0, 1.0, 0.0]
+    seed_args = "" if seed is None else f" --set train.seed={seed}"
+    result = {
+        "row": "arithmetic", "task": "arithmetic, 2-digit addition (the demo)",
+        "target": ">= 80% in <= 10 min", "n": 4, "k": 2, "before": statistics.fmean(before),
+        "after": statistics.fmean(after), "gain": statistics.fmean(after) - 0.25,
+        "gain_ci95": [0.0, 0.5], "mean@2_before": 0.25, "mean@2_after": statistics.fmean(after),
+        "tool_call_rate_after": 0.0, "turns_after": 1.0, "steps": 30, "train_minutes": 5.0,
+        "cpu": "test CPU", "precision": "fp32", "date": "2026-12-04", "heldout_sha": "abc",
+        "per_instance": {"ids": ["a", "b", "c", "d"], "before": before, "after": after},
+        "command": "python benchmarks/efficacy.py --rows arithmetic --budget-minutes 10 --n 4 "
+        f"--k 2{command_tail}{seed_args}",
+        **more,
+    }  # fmt: skip
+    if seed is not None:
+        result["seed"] = seed
+    return result
+
+
+def test_a_row_on_three_seeds_shows_their_mean_and_spread(efficacy: ModuleType) -> None:
+    """The newest result of each seed measured the same way is averaged per instance; an older
+    run of a seed, and a seed measured with another command, are not. Worked by hand."""
+    import _efficacy_seeds as seeds
+
+    results = [
+        seed_result(1, [0.0, 0.0, 0.0, 0.0]),  # replaced by seed 1's newer run below
+        seed_result(None, [1.0, 1.0, 0.0, 0.0], train_minutes=6.0),  # seed 0 (the config's)
+        seed_result(1, [1.0, 0.0, 1.0, 1.0]),
+        seed_result(3, [1.0, 1.0, 1.0, 1.0], " --set train.steps=60"),  # another series
+        seed_result(2, [1.0, 1.0, 1.0, 0.0], steps=29),
+    ]
+    series = seeds.newest_series(results, "arithmetic")
+    assert [seeds.seed_of(r) for r in series] == [0, 1, 2]
+    combined = seeds.combine(series, results[-1])
+    # Per instance: a (1+1+1)/3, b (1+0+1)/3, c (0+1+1)/3, d (0+1+0)/3.
+    assert combined["per_instance"]["after"] == pytest.approx([1.0, 2 / 3, 2 / 3, 1 / 3])
+    assert combined["after"] == pytest.approx(2 / 3)  # the seeds' afters: 0.5, 0.75, 0.75
+    assert combined["gain"] == pytest.approx(2 / 3 - 0.25)
+    low, high = combined["gain_ci95"]
+    assert low <= combined["gain"] <= high and high - low > 0.0
+    assert combined["train_minutes"] == 6.0 and combined["steps_each"] == [30, 30, 29]
+    assert combined["command"].endswith("--k 2 --seeds 0 1 2")
+    text = seeds.spread_text(combined)
+    assert text == "3 (seeds 0, 1, 2): 50.0 / 75.0 / 75.0%; sd 14.4 pts"
+    line = next(li for li in efficacy.render(results).splitlines() if li.startswith("| arithmetic"))
+    assert "| 66.7% | 3 (seeds 0, 1, 2): 50.0 / 75.0 / 75.0%; sd 14.4 pts |" in line
+    assert "| 30, 30, 29 | 6.0 | no |" in line  # each seed's steps, the slowest seed's minutes
+
+
+def test_seeds_on_other_held_out_instances_are_not_averaged(efficacy: ModuleType) -> None:
+    """A seed measured on another held-out set is another series: the newest stands alone."""
+    import _efficacy_seeds as seeds
+
+    results = [seed_result(0, [1.0, 1.0, 1.0, 1.0]),
+               seed_result(1, [0.0, 0.0, 0.0, 1.0], heldout_sha="changed")]  # fmt: skip
+    series = seeds.newest_series(results, "arithmetic")
+    assert [seeds.seed_of(r) for r in series] == [1]
+    combined = seeds.combine(series, results[-1])
+    assert combined["after"] == 0.25 and seeds.spread_text(combined) == "1 (seed 1)"
+
+
+def test_the_seeds_flag_measures_the_row_once_per_seed(
+    efficacy: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--seeds 0 1: two runs of the row, each told its train.seed (every stage of a warm-up row),
+    both in the results and averaged in the table."""
+    told: list[tuple[list[str], list[str] | None]] = []
+
+    def fake_measure(row: Any, budget: float, n: int, k: int, runs: Path, extra: list[str],
+                     cache: Any = None) -> dict:  # fmt: skip
+        told.append((extra, None))
+        seed = int(extra[-1].split("=")[1])
+        return seed_result(seed, [1.0, 0.0, 0.0, 0.0] if seed == 0 else [1.0, 1.0, 0.0, 0.0])
+
+    def fake_warmup(row: Any, budget: float, n: int, k: int, runs: Path, extra: list[str],
+                    warmup_extra: list[str], cache: Any = None) -> dict:  # fmt: skip
+        told.append((extra, warmup_extra))
+        return {**seed_result(int(extra[-1].split("=")[1]), [0.0] * 4), "row": row.name}
+
+    monkeypatch.setattr(efficacy, "measure", fake_measure)
+    monkeypatch.setattr(efficacy, "measure_warmup", fake_warmup)
+    results, out = tmp_path / "results.jsonl", tmp_path / "efficacy.md"
+    run_efficacy(efficacy, [
+        "efficacy.py", "--rows", "arithmetic", "calculator-1op-warmup", "--seeds", "0", "1",
+        "--results", str(results), "--out", str(out), "--runs-dir", str(tmp_path / "runs"),
+        "--set", "train.steps=3", "--warmup-set", "train.steps=2",
+    ])  # fmt: skip
+    assert told == [
+        (["train.steps=3", "train.seed=0"], None),
+        (["train.steps=3", "train.seed=1"], None),
+        (["train.steps=3", "train.seed=0"], ["train.steps=2", "train.seed=0"]),
+        (["train.steps=3", "train.seed=1"], ["train.steps=2", "train.seed=1"]),
+    ]
+    assert len(results.read_text().splitlines()) == 4
+    assert "| 37.5% | 2 (seeds 0, 1): 25.0 / 50.0%; sd 17.7 pts |" in out.read_text()
