@@ -265,6 +265,9 @@ def score_base(model: str, cfg: Any, n: int, k: int) -> dict[str, Any]:
 def base_scores(row: Row, cfg: Any, model: str, n: int, k: int, cache: Any) -> tuple[dict, str]:
     """The base model's per-instance scores, from `cache` (a base_cache.Cache) when stored under
     their key, and how they were had (`cached (<key prefix>)` or `scored (...)`)."""
+    # One base model whatever seed the run trains with: score it (and key its cache) under seed 0
+    # (the sampled mean@k's seed), so the seeds of a row share one `before`.
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"seed": 0})})
     source = inspect.getsource(per_instance_scores)
     key = base_cache.base_key(cfg, model, n, k, EXAMPLES, source, cpu_kind())
     print(f"[{row.name}] base model on {n} held-out instances...", flush=True)

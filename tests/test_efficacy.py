@@ -265,6 +265,25 @@ def test_a_second_run_with_the_same_key_reads_the_cache(
     assert scorer.calls == 2
 
 
+def test_the_seeds_of_a_row_share_one_base(
+    efficacy: ModuleType, fake_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The base is one model whatever seed a run trains with: it is scored (its mean@k sampled)
+    under seed 0 and cached so, and a run on seed 3 reads that entry."""
+    seeds_scored: list[int] = []
+
+    def scorer(model: str, cfg: Any, n: int, k: int) -> dict[str, Any]:
+        seeds_scored.append(cfg.train.seed)
+        return FakeScorer()(model, cfg, n, k)
+
+    monkeypatch.setattr(efficacy, "score_base", scorer)
+    cache = tmp_path / "cache"
+    first, how = base(efficacy, lake_config(fake_model, "train.seed=3"), fake_model, cache)
+    assert seeds_scored == [0] and how.startswith("scored (stored as ")
+    again, how = base(efficacy, lake_config(fake_model), fake_model, cache)
+    assert seeds_scored == [0] and how.startswith("cached (") and again == first
+
+
 @pytest.mark.parametrize(
     ("change", "sets", "n", "k"),
     [
@@ -274,7 +293,6 @@ def test_a_second_run_with_the_same_key_reads_the_cache(
         ("eval max new tokens", ("eval.max_new_tokens=33",), 8, 2),
         ("stop strings", ("sampling.stop=['</answer>']",), 8, 2),
         ("temperature of mean@k", ("sampling.temperature=0.5",), 8, 2),
-        ("seed of mean@k", ("train.seed=3",), 8, 2),
         ("max turns", ("rollout.max_turns=2",), 8, 2),
         ("tool format", ("rollout.tool_format=hermes",), 8, 2),
         ("bf16", ("model.bf16=on",), 8, 2),
