@@ -635,10 +635,12 @@ def main() -> None:
         for name in args.rows:
             row = BY_NAME[name]
             for seed in args.seeds or [None]:
-                # Each seed is a run of its own; the table averages a row's series of seeds.
+                # Each seed is a run of its own, in its own directory (its train metrics are
+                # what says why seeds differ); the table averages a row's series of seeds.
                 seeded = [] if seed is None else [f"train.seed={seed}"]
+                runs = args.runs_dir if seed is None else args.runs_dir / f"seed-{seed}"
                 extra = [*args.extra, *seeded]
-                measure_args = (row, args.budget_minutes, args.n, args.k, args.runs_dir, extra)
+                measure_args = (row, args.budget_minutes, args.n, args.k, runs, extra)
                 result = (
                     measure_warmup(*measure_args, [*args.warmup_extra, *seeded], cache)
                     if row.pipeline

@@ -628,6 +628,7 @@ def test_the_seeds_flag_measures_the_row_once_per_seed(
                      cache: Any = None) -> dict:  # fmt: skip
         told.append((extra, None))
         seed = int(extra[-1].split("=")[1])
+        assert runs == tmp_path / "runs" / f"seed-{seed}"  # each seed's run kept apart
         return seed_result(seed, [1.0, 0.0, 0.0, 0.0] if seed == 0 else [1.0, 1.0, 0.0, 0.0])
 
     def fake_warmup(row: Any, budget: float, n: int, k: int, runs: Path, extra: list[str],
