@@ -175,7 +175,7 @@ def test_a_warmup_row_reports_the_warmup_apart(efficacy: ModuleType, tmp_path: P
     assert "--warmup-set train.steps=2" in row["command"]
     table = out.read_text()
     line = next(li for li in table.splitlines() if li.startswith("| frozenlake 4x4, not slippery;"))
-    assert "RL alone" in line and line.count("|") == 20  # 19 columns
+    assert "RL alone" in line and line.count("|") == 21  # 20 columns
 
 
 # ---------------------------------------------------------------- the base model's results, cached
