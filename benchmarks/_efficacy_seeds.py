@@ -4,7 +4,7 @@ number kept for the spread).
 
 A series is the newest result of a row and, for every other seed, the newest result measured the
 same way: the same command but for its seed arguments (`--set train.seed=S`, and for a warm-up
-row `--warmup-set train.seed=S`), on the same held-out instances. A result from before results
+row `--warmup-set train.seed=S`), on the same held-out instances and the same CPU. A result from before results
 named their seed ran with the config's seed, 0, unless its command set one. The instance interval
 of a multi-seed row is a paired bootstrap over instances of the per-instance mean over seeds: it
 says how sure the mean is on these instances; the spread across seeds says how much one run
@@ -31,9 +31,11 @@ def seed_of(result: dict[str, Any]) -> int:
     return int(found.group(1)) if found else 0
 
 
-def series_key(result: dict[str, Any]) -> tuple[str, str | None, int]:
-    """What results of one series share: the command without its seed, the held-out set, n."""
-    return SEED_ARGS.sub("", result["command"]), result.get("heldout_sha"), result["n"]
+def series_key(result: dict[str, Any]) -> tuple[str, str | None, int, str]:
+    """What results of one series share: the command without its seed, the held-out set, n and
+    the CPU (minutes and steps in budget depend on it; the table names one CPU per row)."""
+    return (SEED_ARGS.sub("", result["command"]), result.get("heldout_sha"), result["n"],
+            result.get("cpu", ""))  # fmt: skip
 
 
 def newest_series(results: list[dict[str, Any]], row: str) -> list[dict[str, Any]]:
@@ -55,8 +57,8 @@ def _per_instance_mean(series: list[dict[str, Any]], field: str) -> list[float] 
 
 
 def _mean(series: list[dict[str, Any]], field: str) -> float | None:
-    values = [r.get(field) for r in series]
-    return None if any(v is None for v in values) else statistics.fmean(values)  # type: ignore[arg-type]
+    values = [r[field] for r in series if r.get(field) is not None]
+    return statistics.fmean(values) if len(values) == len(series) else None
 
 
 def combine(series: list[dict[str, Any]], newest: dict[str, Any]) -> dict[str, Any]:
@@ -65,7 +67,7 @@ def combine(series: list[dict[str, Any]], newest: dict[str, Any]) -> dict[str, A
 
     Per-instance results are averaged over seeds, so the gain intervals are over instances of
     the seed-mean; `train_minutes` is the slowest seed's (a time target must hold for every run);
-    `seeds` keeps each seed's after (and after-warm-up) for the spread. Seeds whose results did not
+    `seeds` keeps each seed's after and steps for the spread. Seeds whose results did not
     store per-instance scores on the same instances cannot be paired: then the newest alone."""
     ids = [r.get("per_instance", {}).get("ids") for r in series]
     if len(series) == 1 or any(i is None or i != ids[0] for i in ids):
@@ -91,7 +93,6 @@ def combine(series: list[dict[str, Any]], newest: dict[str, Any]) -> dict[str, A
         if mean is not None:  # else the newest's own value stands (an old result lacks it)
             out[field] = mean
     out["train_minutes"] = max(r["train_minutes"] for r in series)
-    out["steps_each"] = [r["steps"] for r in series]
     out["seeds"] = [_seed_entry(r) for r in series]
     out["command"] = (
         SEED_ARGS.sub("", newest["command"])
@@ -102,8 +103,7 @@ def combine(series: list[dict[str, Any]], newest: dict[str, Any]) -> dict[str, A
 
 
 def _seed_entry(result: dict[str, Any]) -> dict[str, Any]:
-    return {"seed": seed_of(result), "after": result["after"],
-            "after_warmup": result.get("after_warmup")}  # fmt: skip
+    return {"seed": seed_of(result), "after": result["after"], "steps": result["steps"]}
 
 
 def spread_text(combined: dict[str, Any]) -> str:

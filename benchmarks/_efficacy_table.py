@@ -70,7 +70,7 @@ def render(
         "are then over instances of the per-instance mean over seeds; `seeds` lists each seed's",
         "`after` and their standard deviation (how much one run varies), `steps` each seed's steps",
         "and `train min` the slowest seed's. Only results measured the same way (the same command",
-        "but the seed, the same held-out set) are averaged.",
+        "but the seed, the same held-out set, the same CPU) are averaged.",
         "",
         "| task | target | metric | n | chance | solver | before | after warm-up | after | seeds: after each | gain over chance (95% CI) | gain over before (95% CI) | mean@k before -> after | tool calls | turns | steps | train min | met | CPU; precision | command |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -107,7 +107,7 @@ def render(
             gain += (
                 f"; RL alone {100 * r['rl_gain']:+.1f} ({100 * rl_low:+.1f}, {100 * rl_high:+.1f})"
             )
-        steps = ", ".join(str(s) for s in r.get("steps_each", [r["steps"]]))
+        steps = ", ".join(str(s["steps"]) for s in r["seeds"])
         changed = rand is not None and heldout_changed(r, rand)
         over_chance = None
         if changed:

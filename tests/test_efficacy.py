@@ -596,7 +596,11 @@ def test_a_row_on_three_seeds_shows_their_mean_and_spread(efficacy: ModuleType) 
     assert combined["gain"] == pytest.approx(2 / 3 - 0.25)
     low, high = combined["gain_ci95"]
     assert low <= combined["gain"] <= high and high - low > 0.0
-    assert combined["train_minutes"] == 6.0 and combined["steps_each"] == [30, 30, 29]
+    assert combined["train_minutes"] == 6.0 and [e["steps"] for e in combined["seeds"]] == [
+        30,
+        30,
+        29,
+    ]
     assert combined["command"].endswith("--k 2 --seeds 0 1 2")
     text = seeds.spread_text(combined)
     assert text == "3 (seeds 0, 1, 2): 50.0 / 75.0 / 75.0%; sd 14.4 pts"
@@ -605,12 +609,13 @@ def test_a_row_on_three_seeds_shows_their_mean_and_spread(efficacy: ModuleType) 
     assert "| 30, 30, 29 | 6.0 | no |" in line  # each seed's steps, the slowest seed's minutes
 
 
-def test_seeds_on_other_held_out_instances_are_not_averaged(efficacy: ModuleType) -> None:
-    """A seed measured on another held-out set is another series: the newest stands alone."""
+@pytest.mark.parametrize("other", [{"heldout_sha": "changed"}, {"cpu": "another CPU"}])
+def test_seeds_measured_otherwise_are_not_averaged(efficacy: ModuleType, other: dict) -> None:
+    """A seed measured on another held-out set, or on another CPU (its minutes and steps are
+    another machine's), is another series: the newest stands alone."""
     import _efficacy_seeds as seeds
 
-    results = [seed_result(0, [1.0, 1.0, 1.0, 1.0]),
-               seed_result(1, [0.0, 0.0, 0.0, 1.0], heldout_sha="changed")]  # fmt: skip
+    results = [seed_result(0, [1.0, 1.0, 1.0, 1.0]), seed_result(1, [0.0, 0.0, 0.0, 1.0], **other)]
     series = seeds.newest_series(results, "arithmetic")
     assert [seeds.seed_of(r) for r in series] == [1]
     combined = seeds.combine(series, results[-1])
