@@ -425,6 +425,10 @@ def measure_warmup(
     start_model = [e.split("=", 1)[1] for e in extra if e.startswith("model.name=")]
     rl_extra = [e for e in extra if not e.startswith("model.name=")]
     every_stage = [e for e in rl_extra if e.startswith("model.")]  # e.g. model.bf16
+    warmup_demos = [e for e in warmup_extra if e.startswith("env_demos.")]
+    warmup_config = [e for e in warmup_extra if not e.startswith("env_demos.")]
+    if warmup_demos and not any(s.env_demos for s in load_pipeline_config(path).stages):
+        raise SystemExit(f"--warmup-set {warmup_demos[0]}: {row.config} has no env_demos stage")
 
     def load(rl_minutes: float) -> Any:
         stages = load_pipeline_config(path).stages
@@ -436,9 +440,11 @@ def measure_warmup(
         ]
         for i in range(rl):
             sets += [
-                f"stages.{i}.config.{e}" for e in ("progress=false", *every_stage, *warmup_extra)
+                f"stages.{i}.config.{e}" for e in ("progress=false", *every_stage, *warmup_config)
             ]
             sets += [f"stages.{i}.{e}" for e in row.stage_overrides]
+            if stages[i].env_demos:  # env_demos.* keys: how the warm-up's demonstrations play
+                sets += [f"stages.{i}.{e}" for e in warmup_demos]
         rl_sets = [*row.overrides, *RL_RUN_OVERRIDES, f"train.time_limit_minutes={rl_minutes}",
                    *rl_extra]  # fmt: skip
         return load_pipeline_config(path, sets + [f"stages.{rl}.config.{e}" for e in rl_sets]), rl
@@ -592,7 +598,8 @@ def main() -> None:
         dest="warmup_extra",
         action="append",
         default=[],
-        help="overrides of a warm-up row's stages before RL (e.g. train.steps=8)",
+        help="overrides of a warm-up row's stages before RL: their config (e.g. train.steps=8), "
+        "or env_demos.KEY (e.g. env_demos.episodes=512) of the stage that plays demonstrations",
     )
     parser.add_argument(
         "--seeds",

@@ -163,6 +163,7 @@ def test_a_warmup_row_reports_the_warmup_apart(efficacy: ModuleType, tmp_path: P
         "--out", str(out), "--set", "model.name=tiny-random", "--set", "model.bf16='off'",
         "--set", "train.steps=1", "--set", "rollout.max_turns=2",
         "--warmup-set", "train.steps=2", "--warmup-set", "train.max_length=4096",
+        "--warmup-set", "env_demos.episodes=6",  # the demos stage's key, not its config's
     ]  # fmt: skip
     run_efficacy(efficacy, argv)
     (row,) = [json.loads(line) for line in results.read_text().splitlines()]
@@ -171,11 +172,23 @@ def test_a_warmup_row_reports_the_warmup_apart(efficacy: ModuleType, tmp_path: P
     assert row["rl_gain"] == pytest.approx(row["after"] - row["after_warmup"])
     assert row["rl_gain_ci95"][0] <= row["rl_gain"] <= row["rl_gain_ci95"][1]
     assert 0 < row["warmup_minutes"] <= row["train_minutes"]
-    assert row["warmup_metrics"]["demos/rows"] > 0
+    assert 0 < row["warmup_metrics"]["demos/rows"] <= 6  # the example plays 128
     assert "--warmup-set train.steps=2" in row["command"]
+    assert "--warmup-set env_demos.episodes=6" in row["command"]
     table = out.read_text()
     line = next(li for li in table.splitlines() if li.startswith("| frozenlake 4x4, not slippery;"))
     assert "RL alone" in line and line.count("|") == 21  # 20 columns
+
+
+def test_an_env_demos_key_needs_a_stage_that_plays_demos(
+    efficacy: ModuleType, tmp_path: Path
+) -> None:
+    """`--warmup-set env_demos.KEY` goes to the stage with env_demos; a pipeline without one
+    (examples/pipeline.yaml: SFT on a data file, DPO, GRPO) is told so before anything runs."""
+    row = efficacy.Row("p", "a pipeline without demos", "pipeline.yaml", "-", pipeline=True)
+    with pytest.raises(SystemExit, match=r"env_demos\.episodes=6: pipeline\.yaml has no env_demos"):
+        efficacy.measure_warmup(row, 1.0, 3, 1, tmp_path, [], ["env_demos.episodes=6"])
+    assert not (tmp_path / "p").exists()
 
 
 # ---------------------------------------------------------------- the base model's results, cached
