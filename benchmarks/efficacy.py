@@ -419,16 +419,16 @@ def measure_warmup(
     from rlvr.pipeline import first_rl_config, load_pipeline_config, run_pipeline
 
     path = EXAMPLES / row.config
+    warmup_demos = [e for e in warmup_extra if e.startswith("env_demos.")]
+    warmup_config = [e for e in warmup_extra if not e.startswith("env_demos.")]
+    if warmup_demos and not any(s.env_demos for s in load_pipeline_config(path).stages):
+        raise SystemExit(f"--warmup-set {warmup_demos[0]}: {row.config} has no env_demos stage")
     run_dir = runs_dir / row.name
     if run_dir.exists():  # a fresh measurement: finished stages of an old one must not be reused
         run_dir.rename(run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
     start_model = [e.split("=", 1)[1] for e in extra if e.startswith("model.name=")]
     rl_extra = [e for e in extra if not e.startswith("model.name=")]
     every_stage = [e for e in rl_extra if e.startswith("model.")]  # e.g. model.bf16
-    warmup_demos = [e for e in warmup_extra if e.startswith("env_demos.")]
-    warmup_config = [e for e in warmup_extra if not e.startswith("env_demos.")]
-    if warmup_demos and not any(s.env_demos for s in load_pipeline_config(path).stages):
-        raise SystemExit(f"--warmup-set {warmup_demos[0]}: {row.config} has no env_demos stage")
 
     def load(rl_minutes: float) -> Any:
         stages = load_pipeline_config(path).stages

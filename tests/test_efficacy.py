@@ -184,11 +184,13 @@ def test_an_env_demos_key_needs_a_stage_that_plays_demos(
     efficacy: ModuleType, tmp_path: Path
 ) -> None:
     """`--warmup-set env_demos.KEY` goes to the stage with env_demos; a pipeline without one
-    (examples/pipeline.yaml: SFT on a data file, DPO, GRPO) is told so before anything runs."""
+    (examples/pipeline.yaml: SFT on a data file, DPO, GRPO) is told so before anything runs:
+    the row's earlier run directory is left where it was."""
     row = efficacy.Row("p", "a pipeline without demos", "pipeline.yaml", "-", pipeline=True)
+    (tmp_path / "p").mkdir()
     with pytest.raises(SystemExit, match=r"env_demos\.episodes=6: pipeline\.yaml has no env_demos"):
         efficacy.measure_warmup(row, 1.0, 3, 1, tmp_path, [], ["env_demos.episodes=6"])
-    assert not (tmp_path / "p").exists()
+    assert [d.name for d in tmp_path.iterdir()] == ["p"]
 
 
 # ---------------------------------------------------------------- the base model's results, cached
@@ -609,11 +611,8 @@ def test_a_row_on_three_seeds_shows_their_mean_and_spread(efficacy: ModuleType) 
     assert combined["gain"] == pytest.approx(2 / 3 - 0.25)
     low, high = combined["gain_ci95"]
     assert low <= combined["gain"] <= high and high - low > 0.0
-    assert combined["train_minutes"] == 6.0 and [e["steps"] for e in combined["seeds"]] == [
-        30,
-        30,
-        29,
-    ]
+    steps = [entry["steps"] for entry in combined["seeds"]]
+    assert combined["train_minutes"] == 6.0 and steps == [30, 30, 29]
     assert combined["command"].endswith("--k 2 --seeds 0 1 2")
     text = seeds.spread_text(combined)
     assert text == "3 (seeds 0, 1, 2): 50.0 / 75.0 / 75.0%; sd 14.4 pts"
