@@ -267,3 +267,41 @@ def test_the_state_key_is_the_players_cell_whatever_the_observation_says() -> No
     assert by_right.info["state_key"] == by_up.info["state_key"] == (0, 2)
     assert by_right.messages != by_up.messages  # "You moved Right." vs "You moved Up."
     assert not (by_right.done or by_up.done)
+
+
+def test_positions_observation_states_cells_and_neighbours() -> None:
+    """`observation: positions` adds the player's and goal's cells (1-based) and what each move steps
+    onto, on the first prompt and after every move; the solver still reads the grid; ids differ."""
+    task = make_task(LAKE, observation="positions")
+    assert task.id == "frozenlake:PFFF/FHFH/FFFH/HFFG:positions"
+    assert make_task(LAKE).fields == {"rows": LAKE, "slippery": False}  # plain tasks unchanged
+    first = task.messages[1]["content"]
+    assert first.startswith("P F F F\nF H F H\nF F F H\nH F F G\n")
+    assert (
+        "You are at row 1, column 1. The goal is at row 4, column 4. "
+        "Next cells: Up: edge, Down: ice, Left: edge, Right: ice." in first
+    )
+    env = FrozenLakeFamily({"observation": "positions"}).make(task)
+    env.reset()
+    out = env.step(answer("Right"))
+    text = out.messages[0]["content"]
+    assert "You are at row 1, column 2." in text
+    assert "Up: edge, Down: hole, Left: ice, Right: ice." in text
+    for move in ("Right", "Down", "Down"):  # (0,2) -> (1,2) -> (2,2): the goal is below-right
+        out = env.step(answer(move))
+    assert "You are at row 3, column 3." in out.messages[0]["content"]
+    assert "Up: ice, Down: ice, Left: ice, Right: hole." in out.messages[0]["content"]
+    messages = [{"role": "assistant", "content": answer("Right")}, *out.messages]
+    assert FrozenLakeFamily().scripted_action(task, messages) == "<answer>Down</answer>"
+    out = env.step(answer("Down"))
+    assert "Right: goal." in out.messages[0]["content"]
+    assert env.step(answer("Right")).rewards["success"] == 1.0
+    generated = FrozenLakeFamily({"observation": "positions"}).generate(7)
+    assert (
+        generated.id.endswith(":positions")
+        and "The goal is at row" in generated.messages[1]["content"]
+    )
+    with pytest.raises(
+        ConfigError, match=r"task\.env\.options\.observation: Input should be 'grid'"
+    ):
+        FrozenLakeFamily({"observation": "coords"})

@@ -24,6 +24,10 @@ Instances: start and goal are two random cells, every other cell is a hole with 
 `hole_fraction`; the map is redrawn from the same rng until BFS finds a path of 2 to max_turns - 2
 moves, so every instance is solvable without slips within the env's turn cap.
 
+Observation (`observation`): "grid" shows the lake as text, as RAGEN does; "positions" adds a line
+naming the player's and the goal's row and column and what each move would step onto (ice, hole,
+goal or the edge), for models too small to read a text grid.
+
 Demonstration policies (rlvr.authoring.demos): `random_action` answers one of the four moves uniformly
 (well formed, chosen blindly: a format warm-up); `scripted_action` walks a shortest safe path from
 where the newest observation shows the player (behaviour cloning: it teaches the task).
@@ -31,10 +35,11 @@ where the newest observation shows the player (behaviour cloning: it teaches the
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -129,6 +134,27 @@ def render_lake(rows: Sequence[str], player: Cell) -> str:
     return "\n".join(" ".join(char(r, c) for c in range(n)) for r in range(n))
 
 
+# What a neighbouring cell is, in words, for the "positions" observation.
+_CELL_WORDS = {"F": "ice", "P": "ice", "H": "hole", "G": "goal"}
+
+
+def describe_positions(rows: Sequence[str], player: Cell) -> str:
+    """The player's and the goal's cells (row and column, counted from 1 at the top left) and what
+    each move would step onto: the lake's facts a small model may not read off the grid (cloning the
+    solver on the grid alone, SmolLM2-135M's move loss stayed high, docs/efficacy_notes.md).
+    It states no advice: which way is safe *and* leads to the goal is still the policy's to find."""
+    n = len(rows)
+    goal = next((r, c) for r in range(n) for c in range(n) if rows[r][c] == "G")
+    around = []
+    for move, (dr, dc) in MOVES.items():
+        r, c = player[0] + dr, player[1] + dc
+        around.append(f"{move}: {_CELL_WORDS[rows[r][c]] if 0 <= r < n and 0 <= c < n else 'edge'}")
+    return (
+        f"You are at row {player[0] + 1}, column {player[1] + 1}. The goal is at row {goal[0] + 1}, "
+        f"column {goal[1] + 1}. Next cells: {', '.join(around)}."
+    )
+
+
 def _parse_action(text: str) -> int:
     move, problem = parse_move(text)
     if move is None:
@@ -149,6 +175,12 @@ def _render_state(state: Any, gym_env: Any) -> str:
     return render_lake(rows, divmod(int(state), len(rows[0])))
 
 
+def _render_with_positions(state: Any, gym_env: Any) -> str:
+    rows = ["".join(b.decode() for b in row).replace("S", "P") for row in gym_env.unwrapped.desc]
+    player = divmod(int(state), len(rows[0]))
+    return f"{render_lake(rows, player)}\n{describe_positions(rows, player)}"
+
+
 def _success(
     reward: float, terminated: bool, truncated: bool, info: Mapping[str, Any]
 ) -> dict[str, float]:
@@ -163,6 +195,8 @@ SPEC = GymSpec(
     reward_parts=("success",),
     instruction=ANSWER_FORMAT,
 )
+SPEC_WITH_POSITIONS = dataclasses.replace(SPEC, render=_render_with_positions)
+Observation = Literal["grid", "positions"]
 
 
 class FrozenLakeOptions(EnvOptions):
@@ -177,6 +211,13 @@ class FrozenLakeOptions(EnvOptions):
             "else to either perpendicular direction (1/3 each)."
         ),
     )
+    observation: Observation = Field(
+        "grid",
+        description=(
+            "What each turn shows: 'grid' the lake as text (RAGEN); 'positions' the grid plus the "
+            "player's and goal's row and column and what each move would step onto."
+        ),
+    )
 
 
 class FrozenLakeEnv(GymEnv):
@@ -188,7 +229,8 @@ class FrozenLakeEnv(GymEnv):
     def __init__(self, task: Task, seed: int | None = None) -> None:
         rows = [str(r) for r in task.fields["rows"]]
         self.size = len(rows)
-        super().__init__(task, SPEC, seed=seed)
+        spec = SPEC_WITH_POSITIONS if task.fields.get("observation") == "positions" else SPEC
+        super().__init__(task, spec, seed=seed)
 
     def state_key(self, observation: Any) -> Cell:
         """The player's cell: the lake is the task's, so the cell is the whole state. GiGPO groups
@@ -235,8 +277,11 @@ class FrozenLakeEnv(GymEnv):
 MAX_TURNS_BY_SIZE: dict[int, int] = {4: 8, 5: 10, 6: 12}
 
 
-def make_task(rows: Sequence[str], slippery: bool = False) -> Task:
-    """The task for one lake given as rows of P/F/H/G; its id is the rows (and the slip rule)."""
+def make_task(
+    rows: Sequence[str], slippery: bool = False, observation: Observation = "grid"
+) -> Task:
+    """The task for one lake given as rows of P/F/H/G; its id is the rows (and the slip rule, and the
+    observation when it is not the plain grid)."""
     rows = list(rows)
     n = len(rows)
     start = next((r, c) for r in range(n) for c in range(n) if rows[r][c] == "P")
@@ -246,10 +291,17 @@ def make_task(rows: Sequence[str], slippery: bool = False) -> Task:
         + (" The ice is slippery: a move sometimes goes sideways." if slippery else "")
         + "\nLegend: P player, F frozen ice, H hole, G goal."
     )
-    user = f"{render_lake(rows, start)}\n{ANSWER_FORMAT}"
+    shown = render_lake(rows, start)
+    if observation == "positions":
+        shown += "\n" + describe_positions(rows, start)
+    user = f"{shown}\n{ANSWER_FORMAT}"
     key = "frozenlake:" + "/".join(rows) + (":slippery" if slippery else "")
+    key += f":{observation}" if observation != "grid" else ""
     messages = ({"role": "system", "content": system}, {"role": "user", "content": user})
-    return Task(id=key, messages=messages, fields={"rows": rows, "slippery": slippery})
+    fields: dict[str, Any] = {"rows": rows, "slippery": slippery}
+    if observation != "grid":  # a plain-grid task stays as it was before the option existed
+        fields["observation"] = observation
+    return Task(id=key, messages=messages, fields=fields)
 
 
 @register_env
@@ -280,7 +332,7 @@ class FrozenLakeFamily(EnvFamily):
             rows = ["".join(row) for row in grid]
             path = solve_frozenlake(rows)
             if path is not None and 2 <= len(path) <= longest:
-                return make_task(rows, opts.slippery)
+                return make_task(rows, opts.slippery, opts.observation)
         raise ConfigError(
             f"frozenlake: no solvable lake found for seed {seed}; lower task.env.options.hole_fraction"
         )
