@@ -146,7 +146,8 @@ ROWS = [
         stage_overrides=("env_demos.policy=scripted",)),
     # The grid plus a line naming the player's and goal's cells and what each move steps onto
     # (frozenlake's `observation: positions`): cloning the solver on the grid alone left the move
-    # loss near a guess. Same warm-up as the solver row's measured run (512 demos, 8 turns, 96 steps).
+    # loss high (~0.9 nats, a guess is 1.39). Same warm-up as the solver row's session-26 run
+    # (512 demos, 8 turns, 96 steps).
     Row("frozenlake-positions-solver-warmup", "frozenlake 4x4, not slippery, positions stated in "
         "each observation; solver warm-up, then RL", "env_frozenlake_warmup.yaml", "+30 points",
         target_gain=0.30, overrides=(*HELDOUT_200, "task.env.options.observation=positions"),

@@ -170,14 +170,18 @@ def _gym_lake(task: Task) -> Any:
     return gymnasium.make("FrozenLake-v1", desc=desc, is_slippery=slippery)
 
 
-def _render_state(state: Any, gym_env: Any) -> str:
+def _lake_and_player(state: Any, gym_env: Any) -> tuple[list[str], Cell]:
+    """The gym env's map as rows of P/F/H/G (its start S read as P) and the player's cell."""
     rows = ["".join(b.decode() for b in row).replace("S", "P") for row in gym_env.unwrapped.desc]
-    return render_lake(rows, divmod(int(state), len(rows[0])))
+    return rows, divmod(int(state), len(rows[0]))
+
+
+def _render_state(state: Any, gym_env: Any) -> str:
+    return render_lake(*_lake_and_player(state, gym_env))
 
 
 def _render_with_positions(state: Any, gym_env: Any) -> str:
-    rows = ["".join(b.decode() for b in row).replace("S", "P") for row in gym_env.unwrapped.desc]
-    player = divmod(int(state), len(rows[0]))
+    rows, player = _lake_and_player(state, gym_env)
     return f"{render_lake(rows, player)}\n{describe_positions(rows, player)}"
 
 
