@@ -135,6 +135,12 @@ ROWS = [
         overrides=HELDOUT_200),
     Row("bandit-warmup", "bandit; format warm-up (random arms), then RL", "env_bandit_warmup.yaml",
         "best arm >= 95%", target_after=0.95, overrides=HELDOUT_200, pipeline=True),
+    # Behaviour cloning of the better arm on train payout tables (labelled as such): whether
+    # SmolLM2-135M can learn to compare coins x probability from examples, and what RL adds.
+    Row("bandit-solver-warmup", "bandit; solver warm-up (behaviour cloning of the better arm on "
+        "train payout tables), then RL", "env_bandit_warmup.yaml", "best arm >= 95%",
+        target_after=0.95, overrides=HELDOUT_200, pipeline=True,
+        stage_overrides=("env_demos.policy=scripted",)),
     Row("frozenlake", "frozenlake 4x4, not slippery", "env_frozenlake.yaml", "+30 points",
         target_gain=0.30, overrides=HELDOUT_200),
     Row("frozenlake-warmup", "frozenlake 4x4, not slippery; format warm-up, then RL",
