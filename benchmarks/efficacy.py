@@ -141,6 +141,15 @@ ROWS = [
         "train payout tables), then RL", "env_bandit_warmup.yaml", "best arm >= 95%",
         target_after=0.95, overrides=HELDOUT_200, pipeline=True,
         stage_overrides=("env_demos.policy=scripted",)),
+    # The same cloning with the working written before the answer (bandit's `working` option:
+    # "gold 5 x 90 = 450, silver 20 x 10 = 200, 450 > 200 <answer>gold</answer>"), ~35 tokens:
+    # the one-word row above did not learn the rule even on its own demonstrations.
+    Row("bandit-solver-working-warmup", "bandit, products written before the answer; solver "
+        "warm-up (behaviour cloning of the solver's working on train payout tables), then RL",
+        "env_bandit_warmup.yaml", "best arm >= 95%", target_after=0.95,
+        overrides=(*HELDOUT_200, "task.env.options.working=true", "sampling.max_new_tokens=64",
+                   "rollout.max_total_tokens=96"),
+        pipeline=True, stage_overrides=("env_demos.policy=scripted",)),
     Row("frozenlake", "frozenlake 4x4, not slippery", "env_frozenlake.yaml", "+30 points",
         target_gain=0.30, overrides=HELDOUT_200),
     Row("frozenlake-warmup", "frozenlake 4x4, not slippery; format warm-up, then RL",

@@ -136,3 +136,28 @@ def test_family_metadata() -> None:
     assert BanditFamily.success_metric == "success"
     assert BanditFamily.reward_weights == {"success": 1.0, "payout": 0.0, "invalid_action": -0.1}
     assert BanditFamily.example_config == "examples/env_bandit.yaml"
+
+
+def test_working_option_asks_for_products_and_the_solver_writes_them() -> None:
+    family = BanditFamily({"working": True})
+    task = make_task(ARMS, working=True)
+    assert task.id == "bandit:gold=5@90,silver=20@10:working"
+    assert task.fields["working"] is True
+    user = task.messages[1]["content"]
+    assert "First multiply each arm's coins by its percent" in user
+    # the example's arms are never offered, so copying it names no arm
+    assert "kestrel 4 x 50 = 200, wren 10 x 15 = 150, 200 > 150 <answer>kestrel</answer>" in user
+    solved = family.scripted_action(task, list(task.messages))
+    assert solved == "gold 5 x 90 = 450, silver 20 x 10 = 200, 450 > 200 <answer>gold</answer>"
+    assert family.make(task).step(solved).rewards["success"] == 1.0
+    # only the answer is scored: wrong working with the right arm still succeeds
+    assert family.make(task).step("gold 1 x 1 = 7 <answer>gold</answer>").rewards["success"] == 1.0
+    flipped = make_task(list(reversed(ARMS)), working=True)
+    assert family.scripted_action(flipped, []).endswith("450 > 200 <answer>gold</answer>")
+    # generated tasks carry the option; the split key (the decision) ignores it
+    plain, worked = BanditFamily().generate(7), family.generate(7)
+    assert worked.id == plain.id + ":working" and "working" not in plain.fields
+    assert family.split_key(worked) == BanditFamily().split_key(plain)
+    for seed in range(50):
+        t = family.generate(seed)
+        assert family.make(t).step(family.scripted_action(t, [])).rewards["success"] == 1.0

@@ -17,8 +17,16 @@ so the reward is deterministic.
 Split: by payout tables (`split_key`), names and listing order left out: the same two tables
 under other names are the same decision, so they never sit on both sides.
 
+Working (`working: true`): the prompt asks for each arm's coins x percent before the answer, as
+"phoenix 3 x 80 = 240, dragon 20 x 10 = 200, 240 > 200 <answer>phoenix</answer>", and the scripted
+solver writes that. Only the answer is scored. A one-word answer leaves the product to a single
+next-token choice, which SmolLM2-135M did not learn from 512 right answers (docs/efficacy_notes.md,
+bandit); written out, the decision is a lookup in a small multiplication table (the coins and
+percents take 155 values per arm) and a comparison of two integers.
+
 Demonstration policies (rlvr.authoring.demos): `random_action` names one of the two arms at random (a
-format warm-up: right half the time); `scripted_action` names the better arm (behaviour cloning).
+format warm-up: right half the time); `scripted_action` names the better arm (behaviour cloning),
+after its working when the task asks for it.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ NAME_PAIRS: tuple[tuple[str, str], ...] = (
 )
 
 EXAMPLE_ARM = "kestrel"  # the prompt's format example: not a name in NAME_PAIRS, so never an arm
+EXAMPLE_OTHER_ARM = "wren"  # the working example's second arm, likewise never offered
 
 
 class BanditOptions(EnvOptions):
@@ -70,6 +79,11 @@ class BanditOptions(EnvOptions):
     better: Literal["random", "low_risk", "high_risk"] = Field(
         "random", description="Which arm has the higher expected value (RAGEN: high_risk)."
     )
+    working: bool = Field(
+        False,
+        description="Ask for each arm's coins x percent before the answer (the scripted solver "
+        "writes it); only the answer is scored.",
+    )
 
 
 def expected_value(arm: Mapping[str, Any]) -> float:
@@ -77,8 +91,9 @@ def expected_value(arm: Mapping[str, Any]) -> float:
     return float(arm["coins"]) * float(arm["percent"]) / 100.0
 
 
-def make_task(arms: list[dict[str, Any]]) -> Task:
-    """The task for two arms given in display order; its id lists both payout tables."""
+def make_task(arms: list[dict[str, Any]], working: bool = False) -> Task:
+    """The task for two arms given in display order; its id lists both payout tables (and ends in
+    `:working` when the prompt asks for the products before the answer)."""
     system = (
         "You are playing a slot machine with two arms. Each pull of an arm pays the stated coins "
         "with the stated chance, else nothing. Choose the arm that pays more coins on average."
@@ -90,13 +105,44 @@ def make_task(arms: list[dict[str, Any]]) -> Task:
     # The example names an arm that is never offered: an example naming one of the two arms was
     # copied by SmolLM2-135M (it answered the first-listed arm in 501 of 502 samples after training,
     # docs/efficacy_notes.md), which pays half the time whatever the payouts are.
-    user = (
-        f"{table}\nAnswer with the name of one arm inside <answer></answer>: for an arm named "
-        f"{EXAMPLE_ARM} that would be <answer>{EXAMPLE_ARM}</answer>."
-    )
+    if working:
+        example = working_text(
+            [
+                {"name": EXAMPLE_ARM, "coins": 4, "percent": 50},
+                {"name": EXAMPLE_OTHER_ARM, "coins": 10, "percent": 15},
+            ]
+        )
+        user = (
+            f"{table}\nFirst multiply each arm's coins by its percent, then answer with the name "
+            f"of the arm with the larger product inside <answer></answer>. For arms named "
+            f"{EXAMPLE_ARM} and {EXAMPLE_OTHER_ARM} that would be: {example}"
+        )
+    else:
+        user = (
+            f"{table}\nAnswer with the name of one arm inside <answer></answer>: for an arm named "
+            f"{EXAMPLE_ARM} that would be <answer>{EXAMPLE_ARM}</answer>."
+        )
     key = "bandit:" + ",".join(f"{a['name']}={a['coins']}@{a['percent']}" for a in arms)
     messages = ({"role": "system", "content": system}, {"role": "user", "content": user})
-    return Task(id=key, messages=messages, fields={"arms": arms})
+    fields: dict[str, Any] = {"arms": arms}
+    if working:  # a task without working stays as it was before the option existed
+        key += ":working"
+        fields["working"] = True
+    return Task(id=key, messages=messages, fields=fields)
+
+
+def working_text(arms: list[Mapping[str, Any]]) -> str:
+    """Each arm's coins x percent in the listed order, their comparison, then the better arm's
+    answer: "gold 5 x 90 = 450, silver 20 x 10 = 200, 450 > 200 <answer>gold</answer>". The
+    products are 100x the expected values, so the larger product is the better arm."""
+    products = [int(a["coins"]) * int(a["percent"]) for a in arms]
+    parts = [
+        f"{a['name']} {a['coins']} x {a['percent']} = {v}"
+        for a, v in zip(arms, products, strict=True)
+    ]
+    best = max(range(len(arms)), key=products.__getitem__)
+    other = ", ".join(f"{v}" for i, v in enumerate(products) if i != best)
+    return f"{', '.join(parts)}, {products[best]} > {other} <answer>{arms[best]['name']}</answer>"
 
 
 class BanditEnv(Env):
@@ -175,7 +221,7 @@ class BanditFamily(EnvFamily):
             low["risk"], high["risk"] = "low", "high"
             arms = [low, high]
             rng.shuffle(arms)
-            return make_task(arms)
+            return make_task(arms, opts.working)
         raise ConfigError(f"bandit: no arms found for seed {seed}; lower task.env.options.min_gap")
 
     def split_key(self, task: Task) -> str:
@@ -191,5 +237,7 @@ class BanditFamily(EnvFamily):
         return f"<answer>{rng.choice(task.fields['arms'])['name']}</answer>"
 
     def scripted_action(self, task: Task, messages: list[Message]) -> str:
-        """The arm with the higher expected payout."""
+        """The arm with the higher expected payout, after its working when the task asks for it."""
+        if task.fields.get("working"):
+            return working_text(task.fields["arms"])
         return f"<answer>{max(task.fields['arms'], key=expected_value)['name']}</answer>"
