@@ -21,8 +21,8 @@ Working (`working: true`): the prompt asks for each arm's coins x percent before
 "phoenix 3 x 80 = 240, dragon 20 x 10 = 200, 240 > 200 <answer>phoenix</answer>", and the scripted
 solver writes that. Only the answer is scored. A one-word answer leaves the product to a single
 next-token choice, which SmolLM2-135M did not learn from 512 right answers (docs/efficacy_notes.md,
-bandit); written out, the decision is a lookup in a small multiplication table (the coins and
-percents take 155 values per arm) and a comparison of two integers.
+bandit); written out, the decision is a lookup in a small multiplication table (99 payout tables
+for the low-risk arm, 56 for the high-risk one) and a comparison of two integers.
 
 Demonstration policies (rlvr.authoring.demos): `random_action` names one of the two arms at random (a
 format warm-up: right half the time); `scripted_action` names the better arm (behaviour cloning),
