@@ -142,7 +142,7 @@ ROWS = [
         target_after=0.95, overrides=HELDOUT_200, pipeline=True,
         stage_overrides=("env_demos.policy=scripted",)),
     # The same cloning with the working written before the answer (bandit's `working` option:
-    # "gold 5 x 90 = 450, silver 20 x 10 = 200, 450 > 200 <answer>gold</answer>"), ~35 tokens:
+    # "gold 5 x 90 = 450, silver 20 x 10 = 200, 450 > 200 <answer>gold</answer>"), ~46 tokens:
     # the one-word row above did not learn the rule even on its own demonstrations.
     Row("bandit-solver-working-warmup", "bandit, products written before the answer; solver "
         "warm-up (behaviour cloning of the solver's working on train payout tables), then RL",

@@ -134,15 +134,14 @@ def make_task(arms: list[dict[str, Any]], working: bool = False) -> Task:
 def working_text(arms: list[Mapping[str, Any]]) -> str:
     """Each arm's coins x percent in the listed order, their comparison, then the better arm's
     answer: "gold 5 x 90 = 450, silver 20 x 10 = 200, 450 > 200 <answer>gold</answer>". The
-    products are 100x the expected values, so the larger product is the better arm."""
-    products = [int(a["coins"]) * int(a["percent"]) for a in arms]
+    products are 100x the expected values; the better arm is the one `step` rewards."""
     parts = [
-        f"{a['name']} {a['coins']} x {a['percent']} = {v}"
-        for a, v in zip(arms, products, strict=True)
+        f"{a['name']} {a['coins']} x {a['percent']} = {a['coins'] * a['percent']}" for a in arms
     ]
-    best = max(range(len(arms)), key=products.__getitem__)
-    other = ", ".join(f"{v}" for i, v in enumerate(products) if i != best)
-    return f"{', '.join(parts)}, {products[best]} > {other} <answer>{arms[best]['name']}</answer>"
+    best = max(arms, key=expected_value)
+    (other,) = (a for a in arms if a is not best)
+    comparison = f"{best['coins'] * best['percent']} > {other['coins'] * other['percent']}"
+    return f"{', '.join(parts)}, {comparison} <answer>{best['name']}</answer>"
 
 
 class BanditEnv(Env):
