@@ -4,7 +4,8 @@ number kept for the spread).
 
 A series is the newest result of a row and, for every other seed, the newest result measured the
 same way: the same command but for its seed arguments (`--set train.seed=S`, and for a warm-up
-row `--warmup-set train.seed=S`), on the same held-out instances and the same CPU. A result from before results
+row `--warmup-set train.seed=S`), from the same recipe (the row's overrides and config files), on
+the same held-out instances and the same CPU. A result from before results
 named their seed ran with the config's seed, 0, unless its command set one. The instance interval
 of a multi-seed row is a paired bootstrap over instances of the per-instance mean over seeds: it
 says how sure the mean is on these instances; the spread across seeds says how much one run
@@ -31,11 +32,14 @@ def seed_of(result: dict[str, Any]) -> int:
     return int(found.group(1)) if found else 0
 
 
-def series_key(result: dict[str, Any]) -> tuple[str, str | None, int, str]:
-    """What results of one series share: the command without its seed, the held-out set, n and
-    the CPU (minutes and steps in budget depend on it; the table names one CPU per row)."""
+def series_key(result: dict[str, Any]) -> tuple[Any, ...]:
+    """What results of one series share: the command without its seed, the held-out set, n, the
+    CPU (minutes and steps in budget depend on it; the table names one CPU per row), and the row's
+    recipe: its overrides and its config files' content (`config_sha`), since a row's command
+    stays the same when its yaml or overrides change and its old seeds must not be averaged in."""
     return (SEED_ARGS.sub("", result["command"]), result.get("heldout_sha"), result["n"],
-            result.get("cpu", ""))  # fmt: skip
+            result.get("cpu", ""), tuple(result.get("overrides", ())),
+            result.get("config_sha"))  # fmt: skip
 
 
 def newest_series(results: list[dict[str, Any]], row: str) -> list[dict[str, Any]]:

@@ -143,12 +143,14 @@ ROWS = [
         stage_overrides=("env_demos.policy=scripted",)),
     # The same cloning with the working written before the answer (bandit's `working` option:
     # "gold 5 x 90 = 450, silver 20 x 10 = 200, 450 > 200 <answer>gold</answer>"), ~46 tokens:
-    # the one-word row above did not learn the rule even on its own demonstrations.
+    # the one-word row above did not learn the rule even on its own demonstrations. RL samples at
+    # temperature 0.7: at 1.0 (session 28) only 79% of the products its train samples wrote were
+    # right, so its groups differed by sampling slips rather than by the rule, and RL lost 3.5 points.
     Row("bandit-solver-working-warmup", "bandit, products written before the answer; solver "
         "warm-up (behaviour cloning of the solver's working on train payout tables), then RL",
         "env_bandit_warmup.yaml", "best arm >= 95%", target_after=0.95,
         overrides=(*HELDOUT_200, "task.env.options.working=true", "sampling.max_new_tokens=64",
-                   "rollout.max_total_tokens=96"),
+                   "rollout.max_total_tokens=96", "sampling.temperature=0.7"),
         pipeline=True, stage_overrides=("env_demos.policy=scripted",)),
     Row("frozenlake", "frozenlake 4x4, not slippery", "env_frozenlake.yaml", "+30 points",
         target_gain=0.30, overrides=HELDOUT_200),
@@ -348,6 +350,24 @@ def measure(
     )
 
 
+def config_sha(row: Row) -> str:
+    """sha256 over the row's example config and the stage files it names (a warm-up pipeline's
+    `file: env_x.yaml`), in order: what its recipe is beyond its overrides and command."""
+    import hashlib
+
+    import yaml
+
+    digest = hashlib.sha256()
+    path = EXAMPLES / row.config
+    files = [path]
+    if row.pipeline:
+        stages = yaml.safe_load(path.read_text()).get("stages", [])
+        files += [EXAMPLES / s["file"] for s in stages if isinstance(s, dict) and s.get("file")]
+    for file in files:
+        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def row_result(
     row: Row,
     cfg: Any,
@@ -370,6 +390,7 @@ def row_result(
         "task": row.task,
         "config": f"examples/{row.config}",
         "overrides": list(row.overrides),
+        "config_sha": config_sha(row),
         "n": before["n"],
         "before": acc_before,
         "after": acc_after,

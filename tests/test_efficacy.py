@@ -621,10 +621,15 @@ def test_a_row_on_three_seeds_shows_their_mean_and_spread(efficacy: ModuleType) 
     assert "| 30, 30, 29 | 6.0 | no |" in line  # each seed's steps, the slowest seed's minutes
 
 
-@pytest.mark.parametrize("other", [{"heldout_sha": "changed"}, {"cpu": "another CPU"}])
+@pytest.mark.parametrize(
+    "other",
+    [{"heldout_sha": "changed"}, {"cpu": "another CPU"}, {"config_sha": "yaml edited"},
+     {"overrides": ["sampling.temperature=0.7"]}],
+)  # fmt: skip
 def test_seeds_measured_otherwise_are_not_averaged(efficacy: ModuleType, other: dict) -> None:
-    """A seed measured on another held-out set, or on another CPU (its minutes and steps are
-    another machine's), is another series: the newest stands alone."""
+    """A seed measured on another held-out set, on another CPU (its minutes and steps are
+    another machine's), or from another recipe (the row's yaml or overrides changed, its command
+    did not) is another series: the newest stands alone."""
     import _efficacy_seeds as seeds
 
     results = [seed_result(0, [1.0, 1.0, 1.0, 1.0]), seed_result(1, [0.0, 0.0, 0.0, 1.0], **other)]
@@ -669,3 +674,21 @@ def test_the_seeds_flag_measures_the_row_once_per_seed(
     ]
     assert len(results.read_text().splitlines()) == 4
     assert "| 37.5% | 2 (seeds 0, 1): 25.0 / 50.0%; sd 17.7 pts |" in out.read_text()
+
+
+def test_config_sha_follows_the_row_yaml_and_the_stage_file_it_names(
+    efficacy: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A warm-up row's recipe is its pipeline yaml and the RL stage's `file:`: editing either
+    changes config_sha (so old seeds leave the series); an unchanged pair gives the same sha."""
+    monkeypatch.setattr(efficacy, "EXAMPLES", tmp_path)
+    (tmp_path / "rl.yaml").write_text("train: {steps: 10}\n")
+    (tmp_path / "warm.yaml").write_text("stages:\n  - {name: rl, kind: rl, file: rl.yaml}\n")
+    row = efficacy.Row("r", "task", "warm.yaml", "t", pipeline=True)
+    first = efficacy.config_sha(row)
+    assert efficacy.config_sha(row) == first and len(first) == 64
+    (tmp_path / "rl.yaml").write_text("train: {steps: 11}\n")
+    second = efficacy.config_sha(row)
+    assert second != first
+    (tmp_path / "warm.yaml").write_text("stages:\n  - {name: rl, kind: rl, file: rl.yaml}\n# c\n")
+    assert efficacy.config_sha(row) not in (first, second)
