@@ -134,7 +134,12 @@ def test_bad_options_raise_config_error_naming_the_option(
 def test_family_metadata() -> None:
     assert BanditFamily.name == "bandit"
     assert BanditFamily.success_metric == "success"
-    assert BanditFamily.reward_weights == {"success": 1.0, "payout": 0.0, "invalid_action": -0.1}
+    assert BanditFamily.reward_weights == {
+        "success": 1.0,
+        "payout": 0.0,
+        "invalid_action": -0.1,
+        "working": 0.0,
+    }
     assert BanditFamily.example_config == "examples/env_bandit.yaml"
 
 
@@ -161,3 +166,31 @@ def test_working_option_asks_for_products_and_the_solver_writes_them() -> None:
     for seed in range(50):
         t = family.generate(seed)
         assert family.make(t).step(family.scripted_action(t, [])).rewards["success"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("text", "working"),
+    [
+        ("gold 5 x 90 = 450, silver 20 x 10 = 200, 450 > 200 <answer>gold</answer>", 1.0),
+        # both products right, the comparison the wrong way round for the arm named: 2 of 3
+        ("gold 5 x 90 = 450, silver 20 x 10 = 200, 200 > 450 <answer>gold</answer>", 2 / 3),
+        # one product wrong, so the comparison quotes a number that is not the arm's product
+        ("gold 5 x 90 = 405, silver 20 x 10 = 200, 405 > 200 <answer>gold</answer>", 1 / 3),
+        # right working, wrong arm named: its comparison "200 > 450" cannot be true
+        ("gold 5 x 90 = 450, silver 20 x 10 = 200, 200 > 450 <answer>silver</answer>", 2 / 3),
+        # products quoted under the wrong arm's coins count for neither arm
+        ("gold 20 x 10 = 200, silver 5 x 90 = 450, 450 > 200 <answer>gold</answer>", 1 / 3),
+        ("<answer>gold</answer>", 0.0),  # no working at all
+        ("gold 5 x 90 = 450, silver 20 x 10 = 200, 450 > 200 <answer>kestrel</answer>", 0.0),
+    ],
+)
+def test_working_reward_scores_the_products_and_the_comparison(text: str, working: float) -> None:
+    """`working` is the share of three checks (each product, the comparison for the named arm),
+    worked by hand for ARMS (gold 5 x 90 = 450 pays more than silver 20 x 10 = 200); it is logged
+    with weight 0 unless the config sets one, and a task without the option scores 0 on it."""
+    family = BanditFamily({"working": True})
+    rewards = family.make(make_task(ARMS, working=True)).step(text).rewards
+    assert rewards["working"] == pytest.approx(working)
+    assert BanditFamily.reward_weights["working"] == 0.0
+    plain = BanditFamily().make(make_task(ARMS)).step(text).rewards
+    assert "working" not in plain and plain["success"] == rewards["success"]

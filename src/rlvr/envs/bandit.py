@@ -19,7 +19,11 @@ under other names are the same decision, so they never sit on both sides.
 
 Working (`working: true`): the prompt asks for each arm's coins x percent before the answer, as
 "phoenix 3 x 80 = 240, dragon 20 x 10 = 200, 240 > 200 <answer>phoenix</answer>", and the scripted
-solver writes that. Only the answer is scored. A one-word answer leaves the product to a single
+solver writes that. `success` scores only the answer; the reward part `working` (weight 0: logged,
+not optimised, unless `task.env.reward_weights.working` is set) is the share of its three checks that
+hold: each arm's product written right after its name, coins and percent, and a comparison
+"A > B" whose A is the named arm's product and B the other's, A truly the larger (0 for a task
+without working, or an answer that names no arm). A one-word answer leaves the product to a single
 next-token choice, which SmolLM2-135M did not learn from 512 right answers (docs/efficacy_notes.md,
 bandit); written out, the decision is a lookup in a small multiplication table (99 payout tables
 for the low-risk arm, 56 for the high-risk one) and a comparison of two integers.
@@ -32,6 +36,7 @@ after its working when the task asks for it.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
@@ -144,6 +149,29 @@ def working_text(arms: list[Mapping[str, Any]]) -> str:
     return f"{', '.join(parts)}, {comparison} <answer>{best['name']}</answer>"
 
 
+def working_score(text: str, arms: list[Mapping[str, Any]], chosen: Mapping[str, Any]) -> float:
+    """The share of the working's three checks that `text` passes: each arm's "name coins x
+    percent = product" with the product right (its first such statement counts), and the first
+    comparison "A > B" naming the chosen arm's true product as A and the other's as B, with
+    A > B. A right comparison for a wrong answer cannot hold, since A must be the larger."""
+    checks = []
+    for arm in arms:
+        pattern = (
+            rf"\b{re.escape(str(arm['name']))}\s+{arm['coins']}\s*x\s*{arm['percent']}\s*=\s*(\d+)"
+        )
+        found = re.search(pattern, text, flags=re.IGNORECASE)
+        checks.append(found is not None and int(found.group(1)) == arm["coins"] * arm["percent"])
+    (other,) = (a for a in arms if a is not chosen)
+    mine, theirs = chosen["coins"] * chosen["percent"], other["coins"] * other["percent"]
+    comparison = re.search(r"(\d+)\s*>\s*(\d+)", text)
+    checks.append(
+        comparison is not None
+        and (int(comparison.group(1)), int(comparison.group(2))) == (mine, theirs)
+        and mine > theirs
+    )
+    return sum(checks) / len(checks)
+
+
 class BanditEnv(Env):
     """One single-turn bandit episode."""
 
@@ -166,6 +194,8 @@ class BanditEnv(Env):
         chosen = next((a for a in self.arms if str(a["name"]).lower() == key), None)
         if chosen is None:
             rewards = {"success": 0.0, "payout": 0.0, "invalid_action": 1.0}
+            if self.task.fields.get("working"):
+                rewards["working"] = 0.0
             return EnvStep(rewards=rewards, done=True, info={"invalid_action": 1})
         best = max(expected_value(a) for a in self.arms)
         value = expected_value(chosen)
@@ -174,6 +204,8 @@ class BanditEnv(Env):
             "payout": value / best if best > 0 else 0.0,
             "invalid_action": 0.0,
         }
+        if self.task.fields.get("working"):  # a part only these tasks have (the engine logs 0 else)
+            rewards["working"] = working_score(assistant_text, self.arms, chosen)
         info = {"high_risk": int(chosen["risk"] == "high")}
         return EnvStep(rewards=rewards, done=True, info=info)
 
@@ -190,6 +222,7 @@ class BanditFamily(EnvFamily):
         "success": 1.0,
         "payout": 0.0,
         "invalid_action": -0.1,
+        "working": 0.0,  # the `working` option's written products and comparison (logged)
     }
     example_config: ClassVar[str] = "examples/env_bandit.yaml"
 
