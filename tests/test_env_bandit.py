@@ -187,7 +187,7 @@ def test_working_option_asks_for_products_and_the_solver_writes_them() -> None:
 def test_working_reward_scores_the_products_and_the_comparison(text: str, working: float) -> None:
     """`working` is the share of three checks (each product, the comparison for the named arm),
     worked by hand for ARMS (gold 5 x 90 = 450 pays more than silver 20 x 10 = 200); it is logged
-    with weight 0 unless the config sets one, and a task without the option scores 0 on it."""
+    with weight 0 unless the config sets one, and a task without the option has no such part."""
     family = BanditFamily({"working": True})
     rewards = family.make(make_task(ARMS, working=True)).step(text).rewards
     assert rewards["working"] == pytest.approx(working)
