@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field
@@ -149,7 +149,7 @@ def working_text(arms: list[Mapping[str, Any]]) -> str:
     return f"{', '.join(parts)}, {comparison} <answer>{best['name']}</answer>"
 
 
-def working_score(text: str, arms: list[Mapping[str, Any]], chosen: Mapping[str, Any]) -> float:
+def working_score(text: str, arms: Sequence[Mapping[str, Any]], chosen: Mapping[str, Any]) -> float:
     """The share of the working's three checks that `text` passes: each arm's "name coins x
     percent = product" with the product right (its first such statement counts), and the first
     comparison "A > B" naming the chosen arm's true product as A and the other's as B, with
