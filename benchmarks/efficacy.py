@@ -365,20 +365,19 @@ def measure(
 
 def config_sha(row: Row) -> str:
     """sha256 over the row's example config and the stage files it names (a warm-up pipeline's
-    `file: env_x.yaml`), in order: what its recipe is beyond its overrides and command."""
+    `file: env_x.yaml`), in order: what its recipe is beyond its overrides and command. Over the
+    parsed YAML, so an edited comment leaves a series whole and an edited value splits it."""
     import hashlib
 
     import yaml
 
-    digest = hashlib.sha256()
     path = EXAMPLES / row.config
     files = [path]
     if row.pipeline:
         stages = yaml.safe_load(path.read_text()).get("stages", [])
         files += [EXAMPLES / s["file"] for s in stages if isinstance(s, dict) and s.get("file")]
-    for file in files:
-        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
-    return digest.hexdigest()
+    recipe = [[file.name, yaml.safe_load(file.read_text())] for file in files]
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def row_result(

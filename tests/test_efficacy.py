@@ -679,8 +679,8 @@ def test_the_seeds_flag_measures_the_row_once_per_seed(
 def test_config_sha_follows_the_row_yaml_and_the_stage_file_it_names(
     efficacy: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A warm-up row's recipe is its pipeline yaml and the RL stage's `file:`: editing either
-    changes config_sha (so old seeds leave the series); an unchanged pair gives the same sha."""
+    """A warm-up row's recipe is its pipeline yaml and the RL stage's `file:`: a value edited in
+    either changes config_sha (so old seeds leave the series); a comment edited does not."""
     monkeypatch.setattr(efficacy, "EXAMPLES", tmp_path)
     (tmp_path / "rl.yaml").write_text("train: {steps: 10}\n")
     (tmp_path / "warm.yaml").write_text("stages:\n  - {name: rl, kind: rl, file: rl.yaml}\n")
@@ -690,5 +690,9 @@ def test_config_sha_follows_the_row_yaml_and_the_stage_file_it_names(
     (tmp_path / "rl.yaml").write_text("train: {steps: 11}\n")
     second = efficacy.config_sha(row)
     assert second != first
-    (tmp_path / "warm.yaml").write_text("stages:\n  - {name: rl, kind: rl, file: rl.yaml}\n# c\n")
+    (tmp_path / "warm.yaml").write_text(
+        "# a comment\nstages:\n  - {name: rl, kind: rl, file: rl.yaml}\n"
+    )
+    assert efficacy.config_sha(row) == second
+    (tmp_path / "warm.yaml").write_text("stages:\n  - {name: rl, kind: rl, file: rl.yaml, x: 1}\n")
     assert efficacy.config_sha(row) not in (first, second)
