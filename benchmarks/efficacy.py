@@ -351,6 +351,7 @@ def measure(
         *extra,
     ]
     cfg = load_config(config_path, overrides)
+    recipe = config_sha(row)  # the files as this run reads them, not as they are when it ends
     before, how = base_scores(row, cfg, cfg.model.name, n, k, cache)
     started = time.time()
     steps = train(cfg, config_dir=EXAMPLES, overwrite=True).steps_done
@@ -359,8 +360,9 @@ def measure(
     after = per_instance_scores(policy, cfg, EXAMPLES, n, k)
     args = "".join(f" --set {e}" for e in extra)
     return row_result(
-        row, cfg, before, after, steps, wall, budget_minutes, k, n, args, how, trained=run_dir
-    )
+        row, cfg, before, after, steps, wall, budget_minutes, k, n, args, how, recipe,
+        trained=run_dir,
+    )  # fmt: skip
 
 
 def config_sha(row: Row) -> str:
@@ -392,6 +394,7 @@ def row_result(
     n: int,
     extra_args: str,
     base: str,
+    recipe_sha: str,
     trained: Path | None = None,
 ) -> dict[str, Any]:
     """The JSONL object of one measured row (a warm-up row adds its own keys to it)."""
@@ -402,7 +405,7 @@ def row_result(
         "task": row.task,
         "config": f"examples/{row.config}",
         "overrides": list(row.overrides),
-        "config_sha": config_sha(row),
+        "config_sha": recipe_sha,  # config_sha(row) when the run started
         "n": before["n"],
         "before": acc_before,
         "after": acc_after,
@@ -509,6 +512,7 @@ def measure_warmup(
         return load_pipeline_config(path, sets + [f"stages.{rl}.config.{e}" for e in rl_sets]), rl
 
     cfg, rl = load(budget_minutes)
+    recipe = config_sha(row)  # the files as this run first reads them
     rl_name = cfg.stages[rl].name
     rl_cfg = first_rl_config(cfg, EXAMPLES)
     assert rl_cfg is not None
@@ -527,7 +531,7 @@ def measure_warmup(
     )
     wall = warm_minutes + rl_row["wall_minutes"]
     result = row_result(
-        row, rl_cfg, before, after, steps, wall, budget_minutes, k, n, args, how,
+        row, rl_cfg, before, after, steps, wall, budget_minutes, k, n, args, how, recipe,
         trained=run_dir / rl_name,
     )  # fmt: skip
     low, high = paired_bootstrap_ci(warm["pass1"], after["pass1"])

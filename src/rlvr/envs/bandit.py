@@ -22,8 +22,8 @@ Working (`working: true`): the prompt asks for each arm's coins x percent before
 solver writes that. `success` scores only the answer; the reward part `working` (weight 0: logged,
 not optimised, unless `task.env.reward_weights.working` is set) is the share of its three checks that
 hold: each arm's product written right after its name, coins and percent, and a comparison
-"A > B" whose A is the named arm's product and B the other's, A truly the larger (0 for a task
-without working, or an answer that names no arm). A one-word answer leaves the product to a single
+"A > B" whose A is the named arm's product and B the other's, A truly the larger (0 for an
+answer that names no arm; a task without working has no such part, logged as 0). A one-word answer leaves the product to a single
 next-token choice, which SmolLM2-135M did not learn from 512 right answers (docs/efficacy_notes.md,
 bandit); written out, the decision is a lookup in a small multiplication table (99 payout tables
 for the low-risk arm, 56 for the high-risk one) and a comparison of two integers.
@@ -96,6 +96,11 @@ def expected_value(arm: Mapping[str, Any]) -> float:
     return float(arm["coins"]) * float(arm["percent"]) / 100.0
 
 
+def product(arm: Mapping[str, Any]) -> int:
+    """Coins times percent: 100x the arm's expected value, the integer the working writes."""
+    return int(arm["coins"]) * int(arm["percent"])
+
+
 def make_task(arms: list[dict[str, Any]], working: bool = False) -> Task:
     """The task for two arms given in display order; its id lists both payout tables (and ends in
     `:working` when the prompt asks for the products before the answer)."""
@@ -140,13 +145,10 @@ def working_text(arms: list[Mapping[str, Any]]) -> str:
     """Each arm's coins x percent in the listed order, their comparison, then the better arm's
     answer: "gold 5 x 90 = 450, silver 20 x 10 = 200, 450 > 200 <answer>gold</answer>". The
     products are 100x the expected values; the better arm is the one `step` rewards."""
-    parts = [
-        f"{a['name']} {a['coins']} x {a['percent']} = {a['coins'] * a['percent']}" for a in arms
-    ]
+    parts = [f"{a['name']} {a['coins']} x {a['percent']} = {product(a)}" for a in arms]
     best = max(arms, key=expected_value)
     (other,) = (a for a in arms if a is not best)
-    comparison = f"{best['coins'] * best['percent']} > {other['coins'] * other['percent']}"
-    return f"{', '.join(parts)}, {comparison} <answer>{best['name']}</answer>"
+    return f"{', '.join(parts)}, {product(best)} > {product(other)} <answer>{best['name']}</answer>"
 
 
 def working_score(text: str, arms: Sequence[Mapping[str, Any]], chosen: Mapping[str, Any]) -> float:
@@ -160,9 +162,9 @@ def working_score(text: str, arms: Sequence[Mapping[str, Any]], chosen: Mapping[
             rf"\b{re.escape(str(arm['name']))}\s+{arm['coins']}\s*x\s*{arm['percent']}\s*=\s*(\d+)"
         )
         found = re.search(pattern, text, flags=re.IGNORECASE)
-        checks.append(found is not None and int(found.group(1)) == arm["coins"] * arm["percent"])
+        checks.append(found is not None and int(found.group(1)) == product(arm))
     (other,) = (a for a in arms if a is not chosen)
-    mine, theirs = chosen["coins"] * chosen["percent"], other["coins"] * other["percent"]
+    mine, theirs = product(chosen), product(other)
     comparison = re.search(r"(\d+)\s*>\s*(\d+)", text)
     checks.append(
         comparison is not None
