@@ -122,7 +122,7 @@ ROWS = [
         ">= 90%, tool used in >= 95%", target_after=0.90, min_tool_rate=0.95),
     Row("calculator-2op", "calculator, 2 operations", "env_calculator.yaml", ">= 50%",
         target_after=0.50, overrides=("task.env.options.num_operations=2", "rollout.max_turns=4",
-                                      "rollout.max_total_tokens=720")),
+                                      "rollout.max_total_tokens=192")),
     Row("calculator-2op-curriculum", "calculator, 2 operations, via a 1 -> 2 curriculum",
         "env_calculator_curriculum.yaml", ">= 50%", target_after=0.50),
     Row("calculator-1op-warmup", "calculator, 1 operation; format warm-up (random operations on the "
@@ -150,7 +150,7 @@ ROWS = [
         "warm-up (behaviour cloning of the solver's working on train payout tables), then RL",
         "env_bandit_warmup.yaml", "best arm >= 95%", target_after=0.95,
         overrides=(*HELDOUT_200, "task.env.options.working=true", "sampling.max_new_tokens=64",
-                   "rollout.max_total_tokens=720", "sampling.temperature=0.7"),
+                   "rollout.max_total_tokens=96", "sampling.temperature=0.7"),
         pipeline=True, stage_overrides=("env_demos.policy=scripted",)),
     # The working row's RL with the working rewarded as well (bandit's `working` part, weight 0.5,
     # below the answer's 1.0): in that row's train samples (T 0.7, session 29) 241 of 673 successes
@@ -162,7 +162,7 @@ ROWS = [
         "train payout tables), then RL", "env_bandit_warmup.yaml", "best arm >= 95%",
         target_after=0.95,
         overrides=(*HELDOUT_200, "task.env.options.working=true", "sampling.max_new_tokens=64",
-                   "rollout.max_total_tokens=720", "sampling.temperature=0.7",
+                   "rollout.max_total_tokens=96", "sampling.temperature=0.7",
                    "task.env.reward_weights.working=0.5"),
         pipeline=True, stage_overrides=("env_demos.policy=scripted",)),
     Row("frozenlake", "frozenlake 4x4, not slippery", "env_frozenlake.yaml", "+30 points",
@@ -228,7 +228,7 @@ ROWS = [
     Row("code", "code: HumanEval (118 problems), trained on the env's 50 tasks", "env_code.yaml",
         "+10 points pass@1", target_gain=0.10,
         overrides=("task.env.options.eval_set=humaneval", *HELDOUT_200,
-                   "rollout.max_total_tokens=720")),
+                   "rollout.max_total_tokens=1024")),
 ]  # fmt: skip
 BY_NAME = {r.name: r for r in ROWS}
 
