@@ -188,6 +188,17 @@ ROWS = [
         pipeline=True, stage_overrides=("env_demos.policy=scripted", "env_demos.episodes=512",
                                         "env_demos.max_turns=8", "config.train.steps=96",
                                         "config.train.max_length=768")),
+    # The same with DART's noise injection in the solver's demonstrations (env_demos.noise): 30% of
+    # the turns random legal moves, kept as untrained context, so the clone sees the solver recover
+    # off its own path. Why: the plain clone, sampled at T 0.7, walked into the edge on 52% of its
+    # later moves, 81% of them repeating its previous move (session 32, docs/efficacy_notes.md).
+    Row("frozenlake-positions-dart-warmup", "frozenlake 4x4, not slippery, positions stated in "
+        "each observation; solver warm-up with 30% noise turns (DART), then RL", "env_frozenlake_warmup.yaml",
+        "+30 points", target_gain=0.30, overrides=(*HELDOUT_200, "task.env.options.observation=positions",
+                                                  "rollout.max_total_tokens=720"),
+        pipeline=True, stage_overrides=("env_demos.policy=scripted", "env_demos.episodes=512",
+                                        "env_demos.max_turns=8", "env_demos.noise=0.3",
+                                        "config.train.steps=96", "config.train.max_length=768")),
     Row("frozenlake-warmup-gigpo", "frozenlake 4x4, not slippery; format warm-up, then RL with GiGPO "
         "credit", "env_frozenlake_warmup.yaml", "+30 points", target_gain=0.30,
         overrides=(*HELDOUT_200, *GIGPO), pipeline=True),

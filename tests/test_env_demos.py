@@ -7,6 +7,7 @@ episode; the scripted policy solves; errors are one line."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -131,6 +132,59 @@ def test_scripted_demos_solve_every_instance(name: str) -> None:
     assert demos.success_rate == 1.0 and {r["policy"] for r in demos.rows} == {"scripted"}
 
 
+def test_noise_injects_random_turns_kept_as_untrained_context(tmp_path: Path) -> None:
+    """DART: with noise, some turns are the random policy's, marked `training: false`; the SFT mask
+    trains only the solver's turns, and a solver turn after a random one (a recovery) is trained."""
+    cfg, config_dir = demo_config(str(EXAMPLES / "env_frozenlake.yaml"), ROOMY)
+    demos = play_demos(
+        cfg, tokenizer=tiny_tokenizer(), episodes=24, policy="scripted", seed=3,
+        config_dir=config_dir, noise=0.4,
+    )  # fmt: skip
+    marked = [
+        [
+            m.get("training", True)
+            for m in r["messages"][r["train_from"] :]
+            if m["role"] == "assistant"
+        ]
+        for r in demos.rows
+    ]
+    rows_flags = zip(demos.rows, marked, strict=True)
+    assert all(r["noise_turns"] == flags.count(False) for r, flags in rows_flags)
+    assert all(any(flags) for flags in marked)  # a row of noise only is dropped, not written
+    noisy = sum(flags.count(False) for flags in marked)
+    total = sum(len(flags) for flags in marked)
+    assert 0.2 < noisy / total < 0.6, (noisy, total)  # about the 0.4 asked for
+    recoveries = sum(1 for flags in marked for a, b in itertools.pairwise(flags) if not a and b)
+    assert recoveries > 0
+    assert demos.summary()["demos/noise_turns"] == noisy / len(demos.rows)
+    # The loader's mask: a marked turn's tokens are not trained, the solver's are.
+    tokenizer = tiny_tokenizer()
+    path = tmp_path / "demos.jsonl"
+    write_rows(demos.rows, path)
+    examples = sft_examples(
+        tokenizer, load_rows(path), source="demos", max_length=4096, truncate=False,
+        assistant_only=True,
+    )  # fmt: skip
+    for flags, traj, example in zip(marked, demos.trajectories, examples, strict=True):
+        for flag, span in zip(flags, traj.turns, strict=False):  # the row may end before a cut turn
+            sampled = [t for t in range(span.start, span.end) if traj.policy_mask[t]]
+            assert sampled and all(example.loss_mask[t] == int(flag) for t in sampled)
+    # The same episodes without noise are the plain solver's: no mark, every turn trained.
+    plain = play_demos(
+        cfg, tokenizer=tiny_tokenizer(), episodes=6, policy="scripted", seed=3,
+        config_dir=config_dir,
+    )  # fmt: skip
+    assert all("noise_turns" not in r for r in plain.rows)
+    assert not any("training" in m for r in plain.rows for m in r["messages"])
+
+
+def test_noise_is_for_the_scripted_policy_only() -> None:
+    cfg, config_dir = demo_config(str(EXAMPLES / "env_frozenlake.yaml"), ROOMY)
+    with pytest.raises(ConfigError, match=r"noise 0\.3 is for policy scripted"):
+        play_demos(cfg, tokenizer=tiny_tokenizer(), episodes=2, policy="random", noise=0.3,
+                   config_dir=config_dir)  # fmt: skip
+
+
 def test_slippery_frozenlake_solver_replans_from_the_lake_shown() -> None:
     _, demos = demos_of("frozenlake", "scripted", 12, "task.env.options.slippery=true")
     assert demos.success_rate > 0.0  # it follows the player where the ice took it
@@ -204,6 +258,7 @@ def test_cli_writes_rows_and_says_what_they_teach(tmp_path: Path, tiny_model_dir
         (["calculator", "--policy", "scripted"], "has no scripted_action"),
         (["frozenlake", "--set", "task.env.options.sise=5"], "task.env.options.sise"),
         ([str(EXAMPLES / "quickstart.yaml")], "need a config with one env"),
+        (["frozenlake", "--noise", "1.5"], "--noise 1.5: expected a chance in [0, 1)"),
     ],
 )
 def test_cli_errors_are_one_line(args: list[str], needle: str, tmp_path: Path) -> None:

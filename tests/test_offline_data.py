@@ -68,6 +68,27 @@ def test_assistant_mask_is_token_exact() -> None:
     ]
 
 
+def test_a_message_marked_training_false_is_context() -> None:
+    """`"training": false` on an assistant message: rendered, not trained (env demos' noise turns);
+    the template never sees the key."""
+    marked = [dict(m) for m in CONVERSATION]
+    marked[2]["training"] = False
+    tokenizer = tiny_tokenizer()
+    (example,) = sft_examples(
+        tokenizer, [{"messages": marked}], source="t", max_length=512, truncate=False,
+        assistant_only=True,
+    )  # fmt: skip
+    plain = tokenize_conversation(
+        tokenizer, CONVERSATION, where="t", max_length=512, truncate=False
+    )
+    assert example.input_ids == plain.input_ids
+    assert masked_runs(tokenizer, example)[0] == ["Rome<|im_end|>\n"]
+    marked[4]["training"] = False
+    with pytest.raises(ConfigError, match="t row 1: no token left to train on"):
+        sft_examples(tokenizer, [{"messages": marked}], source="t", max_length=512,
+                     truncate=False, assistant_only=True)  # fmt: skip
+
+
 def test_full_loss_and_pair_masks() -> None:
     tokenizer = tiny_tokenizer()
     every = tokenize_conversation(
@@ -97,6 +118,15 @@ def test_row_formats() -> None:
         ({"text": "hi"}, "data.jsonl row 2: no 'messages'"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "data.jsonl row 2: no assistant"),
         ({"messages": [{"role": "user"}]}, "data.jsonl row 2: 'messages' message 1 needs"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b", "training": "no"},
+                ]
+            },
+            "data.jsonl row 2: message 2's 'training' must be true or false",
+        ),
     ],
 )
 def test_bad_sft_rows_name_file_and_row(tmp_path: Path, row: dict, message: str) -> None:

@@ -503,6 +503,14 @@ def env_demos_command(
     max_turns: Annotated[
         int | None, typer.Option("--max-turns", help="Turn cap (default: the config's / env's).")
     ] = None,
+    noise: Annotated[
+        float,
+        typer.Option(
+            "--noise",
+            help="With --policy scripted: chance a turn is a random legal action instead, kept "
+            "as untrained context (DART's noise injection).",
+        ),
+    ] = 0.0,
     set_: Annotated[
         list[str] | None,
         typer.Option("--set", help="Config override, e.g. task.env.options.size=5 (repeatable)."),
@@ -523,6 +531,8 @@ def env_demos_command(
         raise ConfigError(f"--policy '{policy}': expected random or scripted")
     if episodes < 1:
         raise ConfigError(f"--episodes {episodes}: expected at least 1")
+    if not 0.0 <= noise < 1.0:
+        raise ConfigError(f"--noise {noise:g}: expected a chance in [0, 1)")
     _quiet_libraries()
     from rlvr.authoring.demos import demo_config, play_demos, write_rows
 
@@ -535,9 +545,12 @@ def env_demos_command(
         seed=seed,
         max_turns=max_turns,
         config_dir=config_dir,
+        noise=noise,
     )
     if not demos.rows:
-        raise ConfigError("every demonstration was dropped (a first turn cut by a token limit)")
+        raise ConfigError(
+            "every demonstration was dropped (a first turn cut by a token limit, or all noise)"
+        )
     write_rows(demos.rows, output)
     teaches = "the format only, not the task" if policy == "random" else "the task (a solver)"
     print(
@@ -545,7 +558,8 @@ def env_demos_command(
         f"teaches {teaches}), drawn from {demos.train_instances} train instances; "
         f"success {demos.success_rate:.1%}, {demos.mean_turns:.1f} turns each; "
         f"{demos.trimmed} ended before a turn cut by the token budget, "
-        f"{demos.dropped_cut + demos.dropped_error} dropped"
+        f"{demos.dropped_cut + demos.dropped_error + demos.dropped_untrained} dropped"
+        + (f"; noise {noise:g}: random turns kept as untrained context" if noise else "")
     )
 
 

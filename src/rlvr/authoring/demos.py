@@ -18,6 +18,13 @@ What the demonstrations teach depends on the policy:
   ends them or at the turn cap (the RL config's, or `max_turns` to keep the rows short).
 - `scripted`: the family's solver, `scripted_action(task, messages) -> str`. This is behaviour
   cloning: it teaches the task itself, and a table that uses it must say so.
+- `scripted` with `noise: p` (DART's noise injection; Laskey et al. 2017, "DART: Noise Injection for
+  Robust Imitation Learning"): each turn, with probability p, the family's random legal action is
+  played instead. Those turns stay in the row as context marked `"training": false`; the solver's
+  turns after them are trained, so the clone sees how the solver recovers from states off its own
+  path (a plain clone has only seen the solver's path, and errs where its own mistakes lead it:
+  the frozenlake clone, sampled, kept walking into the lake's edge). A row whose every kept turn
+  was noise is dropped and counted.
 (`messages` is the episode's conversation after the opening: assistant turns and observations.
 Both write tool calls in Hermes; they are rewritten in the format the engine reads for the
 tokenizer, `rollout.tool_format`, as `rlvr env check` does: envs/tool_formats.py `from_hermes`.)
@@ -82,6 +89,13 @@ class EnvDemosConfig(_Section):
         description="random: random legal actions (teaches the format only); scripted: the "
         "family's solver (behaviour cloning: teaches the task).",
     )
+    noise: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="With policy scripted: the chance that a turn plays a random legal action "
+        "instead (kept as untrained context; DART's noise injection).",
+    )
     seed: int = Field(0, description="Which train instances, and the random policy's choices.")
     max_turns: int | None = Field(
         None, ge=1, description="Turn cap of a demonstration (default: the RL config's / env's)."
@@ -98,6 +112,7 @@ class Demos:
     train_instances: int  # size of the train split the episodes were drawn from
     dropped_cut: int  # the first turn was cut by a token limit
     dropped_error: int  # the env failed
+    dropped_untrained: int  # with noise: every kept turn was a random one, so nothing to train
     trimmed: int  # kept up to the turn before one cut by the token budget
     trajectories: list[Trajectory]  # the engine's record of each kept row's episode, in order
 
@@ -115,8 +130,11 @@ class Demos:
             "demos/rows": float(len(self.rows)),
             "demos/success_rate": self.success_rate,
             "demos/mean_turns": self.mean_turns,
-            "demos/dropped": float(self.dropped_cut + self.dropped_error),
+            "demos/dropped": float(self.dropped_cut + self.dropped_error + self.dropped_untrained),
             "demos/trimmed": float(self.trimmed),
+            # random turns per row with noise (untrained context); 0 without
+            "demos/noise_turns": sum(r.get("noise_turns", 0) for r in self.rows)
+            / max(1, len(self.rows)),
         }
 
 
@@ -143,10 +161,18 @@ def demo_config(target: str, overrides: list[str] | None = None) -> tuple[RunCon
 
 
 def _policy(
-    family: EnvFamily, kind: DemoPolicy, seed: int, episode: int, calls: ToolFormat
+    family: EnvFamily,
+    kind: DemoPolicy,
+    seed: int,
+    episode: int,
+    calls: ToolFormat,
+    noise: float = 0.0,
+    noisy_turns: list[bool] | None = None,
 ) -> Policy:
     """The episode's policy; its Hermes `<tool_call>` blocks are rewritten in `calls`, the format
-    the engine reads for this tokenizer (as `rlvr env check` shows a scripted solver)."""
+    the engine reads for this tokenizer (as `rlvr env check` shows a scripted solver). With
+    `noise`, each turn's choice (True: the random action) is appended to `noisy_turns`."""
+    rng = random.Random(f"{seed}:{episode}")
     if kind == "scripted":
         scripted = getattr(family, "scripted_action", None)
         if not callable(scripted):
@@ -154,15 +180,29 @@ def _policy(
                 f"env '{family.name}' has no scripted_action(task, messages) to clone; "
                 "use policy random"
             )
-        return lambda task, messages: from_hermes(scripted(task, messages), calls)
+        if not noise:
+            return lambda task, messages: from_hermes(scripted(task, messages), calls)
+        act = _random_action(family, "or set noise: 0")
+        record = noisy_turns if noisy_turns is not None else []
+
+        def noisy(task: Task, messages: list[dict[str, Any]]) -> str:
+            record.append(rng.random() < noise)
+            text = act(task, messages, rng) if record[-1] else scripted(task, messages)
+            return from_hermes(text, calls)
+
+        return noisy
+    act = _random_action(family, "or use policy scripted")
+    return lambda task, messages: from_hermes(act(task, messages, rng), calls)
+
+
+def _random_action(family: EnvFamily, otherwise: str) -> Any:
     act = getattr(family, "random_action", None)
     if not callable(act):
         raise ConfigError(
             f"env '{family.name}' has no random_action(task, messages, rng): define one that "
-            "returns a random legal, well-formed action, or use policy scripted"
+            f"returns a random legal, well-formed action, {otherwise}"
         )
-    rng = random.Random(f"{seed}:{episode}")
-    return lambda task, messages: from_hermes(act(task, messages, rng), calls)
+    return act
 
 
 def play_demos(
@@ -174,6 +214,7 @@ def play_demos(
     seed: int = 0,
     max_turns: int | None = None,
     config_dir: Path | None = None,
+    noise: float = 0.0,
 ) -> Demos:
     """Play `episodes` demonstrations on `cfg`'s train split (see the module docstring).
 
@@ -185,6 +226,11 @@ def play_demos(
 
     if cfg.mixture or cfg.task.source != "env":
         raise ConfigError("env demos need a config with one env (task.source: env, no mixture)")
+    if noise and policy != "scripted":
+        raise ConfigError(
+            f"env demos: noise {noise:g} is for policy scripted (random turns injected into "
+            "the solver's episodes); policy random is all noise already"
+        )
     (source,) = list(Sources(cfg, config_dir))
     family = source.family
     assert family is not None
@@ -203,10 +249,11 @@ def play_demos(
     eos = tokenizer.eos_token_id
     rows: list[dict[str, Any]] = []
     kept: list[Trajectory] = []
-    dropped_cut = dropped_error = trimmed = 0
+    dropped_cut = dropped_error = dropped_untrained = trimmed = 0
     for episode in range(episodes):
         task = train[order[episode % len(order)]]
-        act = _policy(family, policy, seed, episode, calls)
+        noisy_turns: list[bool] = []  # per turn: played by the random policy (noise > 0)
+        act = _policy(family, policy, seed, episode, calls, noise, noisy_turns)
         recorder = _OpeningRecorder(family.make(task))
         generator = _PolicyGenerator(act, tokenizer, task, recorder)
 
@@ -229,9 +276,15 @@ def play_demos(
         if complete == 0:
             dropped_cut += 1
             continue
+        if noisy_turns and all(noisy_turns[:complete]):
+            dropped_untrained += 1
+            continue
         trimmed += complete < len(traj.turns)
         assistant_at = [i for i, m in enumerate(traj.messages) if m.get("role") == "assistant"]
         after_opening = [dict(m) for m in traj.messages[: assistant_at[complete - 1] + 1]]
+        for turn, noisy in enumerate(noisy_turns[:complete]):
+            if noisy:  # context, not trained: the solver's next turn is what SFT learns
+                after_opening[assistant_at[turn]]["training"] = False
         opening = recorder.opening
         if opening.tools and template_renders_tools(tokenizer):
             raise ConfigError(
@@ -247,10 +300,14 @@ def play_demos(
                 "policy": policy,
                 "success": float(traj.rewards.get(source.metric, 0.0) >= 1.0),
                 "turns": complete,
+                **({"noise_turns": sum(noisy_turns[:complete])} if noise else {}),
             }
         )
         kept.append(traj)
-    return Demos(rows, family.name, policy, len(train), dropped_cut, dropped_error, trimmed, kept)
+    return Demos(
+        rows, family.name, policy, len(train), dropped_cut, dropped_error, dropped_untrained,
+        trimmed, kept,
+    )  # fmt: skip
 
 
 def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
@@ -288,11 +345,13 @@ def demos_for_stage(
         seed=settings.seed,
         max_turns=settings.max_turns,
         config_dir=cfg_dir,
+        noise=settings.noise,
     )
     if not demos.rows:
         raise ConfigError(
             f"env '{demos.env}': every demonstration was dropped ({demos.dropped_cut} cut by a "
-            f"token limit, {demos.dropped_error} env errors); raise sampling.max_new_tokens"
+            f"token limit, {demos.dropped_error} env errors, {demos.dropped_untrained} all "
+            "noise); raise sampling.max_new_tokens or lower noise"
         )
     write_rows(demos.rows, out)
     return demos

@@ -4,7 +4,9 @@ Row formats (a .jsonl/.json file, a `datasets.Dataset`, or a list of dicts; othe
 - chat (SFT): `{"messages": [{"role": ..., "content": ...}, ...]}`, or `{"prompt", "completion"}`
   where each is a string (a user / an assistant message) or a list of messages; a `messages` row
   may say `"train_from": k`: assistant messages before index k are context, not trained (an
-  opening that carries a worked example, as `rlvr env demos` writes for the calculator env);
+  opening that carries a worked example, as `rlvr env demos` writes for the calculator env), and an
+  assistant message may say `"training": false`: it stays in the context, untrained (a turn another
+  policy played, as `rlvr env demos --noise` writes);
 - pair (DPO, reward model): `{"prompt", "chosen", "rejected"}`, each a string or messages; without
   `prompt`, chosen and rejected are whole conversations and their common leading messages are it.
 
@@ -173,19 +175,21 @@ def tokenize_conversation(
     max_length: int,
     truncate: bool,
     train_from: int = 0,
+    untrained: frozenset[int] = frozenset(),
     assistant_only: bool = True,
 ) -> Example:
     """Token ids of `messages` and the mask of the tokens trained on.
 
-    With `assistant_only`, the mask covers the assistant messages at index >= `train_from` (their
-    content and end-of-turn tokens, not the generation prompt that opens them); else every token
-    but the first. Longer than `max_length`: cut on the right when `truncate`, else an error.
+    With `assistant_only`, the mask covers the assistant messages at index >= `train_from` and not
+    in `untrained` (their content and end-of-turn tokens, not the generation prompt that opens
+    them); else every token but the first. Longer than `max_length`: cut on the right when
+    `truncate`, else an error.
     """
     ids = render_ids(tokenizer, messages, generation_prompt=False)
     mask = [0] * len(ids)
     if assistant_only:
         for i, message in enumerate(messages):
-            if message["role"] != "assistant" or i < train_from:
+            if message["role"] != "assistant" or i < train_from or i in untrained:
                 continue
             before = render_ids(tokenizer, messages[:i], generation_prompt=True) if i else []
             through = render_ids(tokenizer, messages[: i + 1], generation_prompt=False)
@@ -206,7 +210,10 @@ def tokenize_conversation(
         ids, mask = ids[:max_length], mask[:max_length]
     mask[0] = 0  # nothing predicts the first token
     if not any(mask):
-        raise ConfigError(f"{where}: no token left to train on (assistant part cut by max_length)")
+        raise ConfigError(
+            f"{where}: no token left to train on (assistant part cut by max_length, or marked "
+            "'training': false)"
+        )
     return Example(tuple(ids), tuple(mask))
 
 
@@ -227,6 +234,7 @@ def sft_examples(
             max_length=max_length,
             truncate=truncate,
             train_from=_train_from(row, f"{source} row {i + 1}"),
+            untrained=_untrained(row, f"{source} row {i + 1}"),
             assistant_only=assistant_only,
         )
         for i, row in enumerate(rows)
@@ -239,6 +247,21 @@ def _train_from(row: Mapping[str, Any], where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"{where}: 'train_from' must be a message index >= 0, not {value!r}")
     return value
+
+
+def _untrained(row: Mapping[str, Any], where: str) -> frozenset[int]:
+    """Indices of a `messages` row's messages marked `"training": false` (context, not trained)."""
+    messages = row.get("messages")
+    if not isinstance(messages, list):
+        return frozenset()
+    out = set()
+    for j, message in enumerate(messages):
+        flag = message.get("training", True) if isinstance(message, Mapping) else True
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{where}: message {j + 1}'s 'training' must be true or false")
+        if not flag:
+            out.add(j)
+    return frozenset(out)
 
 
 def pair_examples(
