@@ -198,7 +198,8 @@ ROWS = [
                                                   "rollout.max_total_tokens=720"),
         pipeline=True, stage_overrides=("env_demos.policy=scripted", "env_demos.episodes=512",
                                         "env_demos.max_turns=8", "env_demos.noise=0.3",
-                                        "config.train.steps=96", "config.train.max_length=768")),
+                                        # random turns lengthen a row past 768 tokens
+                                        "config.train.steps=96", "config.train.max_length=1024")),
     Row("frozenlake-warmup-gigpo", "frozenlake 4x4, not slippery; format warm-up, then RL with GiGPO "
         "credit", "env_frozenlake_warmup.yaml", "+30 points", target_gain=0.30,
         overrides=(*HELDOUT_200, *GIGPO), pipeline=True),
