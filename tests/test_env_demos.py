@@ -46,6 +46,16 @@ def demos_of(name: str, policy: str = "random", episodes: int = 12, *sets: str) 
     return cfg, demos
 
 
+def sft_examples_of(rows: list[dict[str, Any]], tokenizer: Any, tmp_path: Path) -> list[Any]:
+    """The rows written as `rlvr env demos` writes them, read back by the SFT loader."""
+    path = tmp_path / "demos.jsonl"
+    write_rows(rows, path)
+    return sft_examples(
+        tokenizer, load_rows(path), source="demos", max_length=4096, truncate=False,
+        assistant_only=True,
+    )  # fmt: skip
+
+
 def legal(name: str, step: EnvStep, turn: int) -> bool:
     """The env read the turn as a legal, well-formed action."""
     if name in ("frozenlake", "sokoban", "bandit"):
@@ -105,12 +115,7 @@ def test_rows_are_the_engines_conversation_token_for_token(name: str, tmp_path: 
     positions plus the template's newline after each end-of-turn token (glue in RL)."""
     _, demos = demos_of(name, "random", 8)
     tokenizer = tiny_tokenizer()
-    path = tmp_path / "demos.jsonl"
-    write_rows(demos.rows, path)
-    examples = sft_examples(
-        tokenizer, load_rows(path), source="demos", max_length=4096, truncate=False,
-        assistant_only=True,
-    )  # fmt: skip
+    examples = sft_examples_of(demos.rows, tokenizer, tmp_path)
     eos = tokenizer.eos_token_id
     for row, traj, example in zip(demos.rows, demos.trajectories, examples, strict=True):
         end = traj.turns[row["turns"] - 1].end  # through the last complete turn
@@ -159,12 +164,7 @@ def test_noise_injects_random_turns_kept_as_untrained_context(tmp_path: Path) ->
     assert demos.summary()["demos/noise_turns"] == noisy / len(demos.rows)
     # The loader's mask: a marked turn's tokens are not trained, the solver's are.
     tokenizer = tiny_tokenizer()
-    path = tmp_path / "demos.jsonl"
-    write_rows(demos.rows, path)
-    examples = sft_examples(
-        tokenizer, load_rows(path), source="demos", max_length=4096, truncate=False,
-        assistant_only=True,
-    )  # fmt: skip
+    examples = sft_examples_of(demos.rows, tokenizer, tmp_path)
     for flags, traj, example in zip(marked, demos.trajectories, examples, strict=True):
         for flag, span in zip(flags, traj.turns, strict=False):  # the row may end before a cut turn
             sampled = [t for t in range(span.start, span.end) if traj.policy_mask[t]]
