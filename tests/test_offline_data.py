@@ -83,6 +83,10 @@ def test_a_message_marked_training_false_is_context() -> None:
     )
     assert example.input_ids == plain.input_ids
     assert masked_runs(tokenizer, example)[0] == ["Rome<|im_end|>\n"]
+    split = {"prompt": marked[:2], "completion": marked[2:]}  # the same mark, prompt + completion
+    assert sft_examples(
+        tokenizer, [split], source="t", max_length=512, truncate=False, assistant_only=True
+    ) == [example]
     marked[4]["training"] = False
     with pytest.raises(ConfigError, match="t row 1: no token left to train on"):
         sft_examples(tokenizer, [{"messages": marked}], source="t", max_length=512,

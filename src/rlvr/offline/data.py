@@ -4,9 +4,9 @@ Row formats (a .jsonl/.json file, a `datasets.Dataset`, or a list of dicts; othe
 - chat (SFT): `{"messages": [{"role": ..., "content": ...}, ...]}`, or `{"prompt", "completion"}`
   where each is a string (a user / an assistant message) or a list of messages; a `messages` row
   may say `"train_from": k`: assistant messages before index k are context, not trained (an
-  opening that carries a worked example, as `rlvr env demos` writes for the calculator env), and an
-  assistant message may say `"training": false`: it stays in the context, untrained (a turn another
-  policy played, as `rlvr env demos --noise` writes);
+  opening that carries a worked example, as `rlvr env demos` writes for the calculator env); in
+  either form an assistant message given as a dict may say `"training": false`: it stays in the
+  context, untrained (a turn another policy played, as `rlvr env demos --noise` writes);
 - pair (DPO, reward model): `{"prompt", "chosen", "rejected"}`, each a string or messages; without
   `prompt`, chosen and rejected are whole conversations and their common leading messages are it.
 
@@ -250,10 +250,11 @@ def _train_from(row: Mapping[str, Any], where: str) -> int:
 
 
 def _untrained(row: Mapping[str, Any], where: str) -> frozenset[int]:
-    """Indices of a `messages` row's messages marked `"training": false` (context, not trained)."""
-    messages = row.get("messages")
-    if not isinstance(messages, list):
-        return frozenset()
+    """Indices, in `conversation_of`'s order, of the messages marked `"training": false` (context,
+    not trained); a string prompt or completion is one message and carries no mark."""
+    keys = ("messages",) if "messages" in row else ("prompt", "completion")
+    parts = [row.get(key) for key in keys]
+    messages = [m for part in parts for m in (part if isinstance(part, list) else [part])]
     out = set()
     for j, message in enumerate(messages):
         flag = message.get("training", True) if isinstance(message, Mapping) else True
