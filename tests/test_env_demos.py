@@ -131,6 +131,61 @@ def test_rows_are_the_engines_conversation_token_for_token(name: str, tmp_path: 
         assert "<tools>" in row["messages"][0]["content"]  # schemas as the engine wrote them
 
 
+@pytest.mark.parametrize(("name", "keep"), [("frozenlake", 1), ("sokoban", 2), ("calculator", 1)])
+def test_a_history_window_writes_a_row_per_turn_as_rl_samples_it(
+    name: str, keep: int, tmp_path: Path
+) -> None:
+    """With `rollout.history: window`, RL trains each turn from the opening plus the last K turns,
+    so each demonstrated turn is its own row: rendered by the SFT loader, it is that turn's sample
+    (Trajectory.turn_samples) token for token, and only the turn's own tokens are trained."""
+    window = ["rollout.history=window", f"rollout.history_turns={keep}"]
+    _, demos = demos_of(name, "random", 6, *window)
+    _, whole = demos_of(name, "random", 6)
+    assert demos.per_turn and not whole.per_turn
+    assert demos.episodes == whole.episodes  # the same episodes, cut differently
+    assert len(demos.rows) == sum(e["turns"] for e in demos.episodes) > len(demos.episodes)
+    tokenizer = tiny_tokenizer()
+    examples = sft_examples_of(demos.rows, tokenizer, tmp_path)
+    eos = tokenizer.eos_token_id
+    for row, sample, example in zip(demos.rows, demos.trajectories, examples, strict=True):
+        n = len(sample.token_ids)  # the SFT row adds the template's newline after EOS
+        assert list(example.input_ids[:n]) == list(sample.token_ids)
+        assert len(example.input_ids) - n <= 1
+        trained = {t for t, m in enumerate(example.loss_mask) if m}
+        sampled = {t for t, m in enumerate(sample.policy_mask) if m}
+        assert sampled and sampled <= trained
+        assert all(sample.token_ids[t - 1] == eos for t in trained - sampled)
+        assert row["train_from"] == len(row["messages"]) - 1
+    # Each row is its episode's whole conversation cut to: the opening, then the K turns before
+    # the trained one (each an action and what followed it), then the trained turn.
+    per_episode = iter(demos.rows)
+    for conversation in whole.rows:
+        n = conversation["train_from"]  # the opening's messages
+        after = conversation["messages"][n:]
+        actions = [i for i, m in enumerate(after) if m["role"] == "assistant"]
+        for k in range(conversation["turns"]):
+            row = next(per_episode)
+            assert row["turn"] == k + 1 and row["messages"][:n] == conversation["messages"][:n]
+            first = actions[max(0, k - keep)]
+            assert row["messages"][n:] == after[first : actions[k] + 1]
+    turns = [r["turn"] for r in demos.rows]
+    assert turns.count(1) == len(demos.episodes) and max(turns) > keep  # windows that dropped turns
+
+
+def test_a_history_window_with_noise_writes_rows_for_the_solvers_turns_only() -> None:
+    cfg, config_dir = demo_config(
+        str(EXAMPLES / "env_frozenlake.yaml"), [*ROOMY, "rollout.history=window"]
+    )
+    demos = play_demos(
+        cfg, tokenizer=tiny_tokenizer(), episodes=24, policy="scripted", seed=3,
+        config_dir=config_dir, noise=0.4,
+    )  # fmt: skip
+    noisy = sum(e["noise_turns"] for e in demos.episodes)
+    assert noisy > 0
+    assert len(demos.rows) == sum(e["turns"] for e in demos.episodes) - noisy
+    assert all(r["messages"][-1].get("training", True) for r in demos.rows)
+
+
 @pytest.mark.parametrize("name", ["frozenlake", "sokoban", "sudoku", "countdown", "bandit"])
 def test_scripted_demos_solve_every_instance(name: str) -> None:
     _, demos = demos_of(name, "scripted", 6)

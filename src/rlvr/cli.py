@@ -554,9 +554,14 @@ def env_demos_command(
     write_rows(demos.rows, output)
     teaches = "the format only, not the task" if policy == "random" else "the task (a solver)"
     print(
-        f"wrote {len(demos.rows)} demonstrations of env {demos.env} to {output} (policy {policy}: "
+        f"wrote {len(demos.episodes)} demonstrations of env {demos.env} to {output} (policy {policy}: "
         f"teaches {teaches}), drawn from {demos.train_instances} train instances; "
-        f"success {demos.success_rate:.1%}, {demos.mean_turns:.1f} turns each; "
+        + (
+            f"{len(demos.rows)} rows, one per turn (rollout.history window); "
+            if demos.per_turn
+            else ""
+        )
+        + f"success {demos.success_rate:.1%}, {demos.mean_turns:.1f} turns each; "
         f"{demos.trimmed} ended before a turn cut by the token budget, "
         f"{demos.dropped_cut + demos.dropped_error + demos.dropped_untrained} dropped"
         + (f"; noise {noise:g}: random turns kept as untrained context" if noise else "")

@@ -44,7 +44,15 @@ A turn cut by the episode's token budget ends its row before that turn (an SFT r
 turn ended where the engine never lets one end); an episode whose first turn was cut, or whose env
 failed, is dropped. Both are counted.
 
-Rows: {"messages": [...], "train_from", "task_id", "policy", "success", "turns"}; the SFT loader
+With `rollout.history: window` (K = `rollout.history_turns`) RL samples, and trains, each turn from
+the opening plus the last K turns only (rlvr.rollout.engine), so the demonstrations are written the
+same way: one row per trained turn, its messages the opening, the K turns before it as context and
+the turn itself, the only one trained (`train_from`). A row renders to that turn's sample
+(`Trajectory.turn_samples`) token for token. The opening is repeated in every row, so the SFT
+trains more tokens per demonstrated turn than with whole conversations.
+
+Rows: {"messages": [...], "train_from", "task_id", "policy", "success", "turns"} (and "turn", the
+turn a window row trains, from 1); `success` and `turns` are the episode's. The SFT loader
 reads `messages` (role and content) and `train_from` (the opening's length: an assistant message in
 the opening, such as the calculator's worked example, is context in RL and stays untrained in SFT)
 and ignores the rest.
@@ -114,15 +122,19 @@ class Demos:
     dropped_error: int  # the env failed
     dropped_untrained: int  # with noise: every kept turn was a random one, so nothing to train
     trimmed: int  # kept up to the turn before one cut by the token budget
-    trajectories: list[Trajectory]  # the engine's record of each kept row's episode, in order
+    # the engine's record of each row, in order: its episode, or with a history window the
+    # turn's own sample (Trajectory.turn_samples)
+    trajectories: list[Trajectory]
+    episodes: list[dict[str, float]]  # per kept episode: success, turns, noise_turns
+    per_turn: bool = False  # rollout.history window: a row per trained turn, not per episode
 
     @property
     def success_rate(self) -> float:
-        return sum(r["success"] for r in self.rows) / max(1, len(self.rows))
+        return sum(e["success"] for e in self.episodes) / max(1, len(self.episodes))
 
     @property
     def mean_turns(self) -> float:
-        return sum(r["turns"] for r in self.rows) / max(1, len(self.rows))
+        return sum(e["turns"] for e in self.episodes) / max(1, len(self.episodes))
 
     def summary(self) -> dict[str, float]:
         """Numbers for a stage's metrics: how many rows, and how often the demonstrator won."""
@@ -132,9 +144,10 @@ class Demos:
             "demos/mean_turns": self.mean_turns,
             "demos/dropped": float(self.dropped_cut + self.dropped_error + self.dropped_untrained),
             "demos/trimmed": float(self.trimmed),
-            # random turns per row with noise (untrained context); 0 without
-            "demos/noise_turns": sum(r.get("noise_turns", 0) for r in self.rows)
-            / max(1, len(self.rows)),
+            "demos/episodes": float(len(self.episodes)),
+            # random turns per episode with noise (untrained context); 0 without
+            "demos/noise_turns": sum(e["noise_turns"] for e in self.episodes)
+            / max(1, len(self.episodes)),
         }
 
 
@@ -249,6 +262,7 @@ def play_demos(
     eos = tokenizer.eos_token_id
     rows: list[dict[str, Any]] = []
     kept: list[Trajectory] = []
+    episode_stats: list[dict[str, float]] = []
     dropped_cut = dropped_error = dropped_untrained = trimmed = 0
     for episode in range(episodes):
         task = train[order[episode % len(order)]]
@@ -292,21 +306,33 @@ def play_demos(
                 "SFT rows carry no tools=, so demonstrations would not match what RL shows"
             )
         messages = with_tool_instructions(tokenizer, opening.messages, opening.tools, calls)
-        rows.append(
-            {
-                "messages": [*messages, *after_opening],
-                "train_from": len(messages),  # an opening's worked example is context, as in RL
-                "task_id": task.id,
-                "policy": policy,
-                "success": float(traj.rewards.get(source.metric, 0.0) >= 1.0),
-                "turns": complete,
-                **({"noise_turns": sum(noisy_turns[:complete])} if noise else {}),
-            }
-        )
-        kept.append(traj)
+        noise_turns = sum(noisy_turns[:complete])
+        stats = {
+            "success": float(traj.rewards.get(source.metric, 0.0) >= 1.0),
+            "turns": complete,
+        }
+        episode_stats.append({**stats, "noise_turns": noise_turns})
+        about = {"task_id": task.id, "policy": policy, **stats}
+        if noise:
+            about["noise_turns"] = noise_turns
+        if limits.history == "full":
+            # an opening's worked example is context, as in RL: train_from
+            rows.append({"messages": [*messages, *after_opening], "train_from": len(messages)})
+            rows[-1].update(about)
+            kept.append(traj)
+            continue
+        samples = traj.turn_samples()
+        for k in range(complete):
+            if noisy_turns[k : k + 1] == [True]:
+                continue  # a random turn: context of the later windows only
+            first = assistant_at[max(0, k - limits.history_turns)]
+            window = [*messages, *after_opening[first : assistant_at[k] + 1]]
+            rows.append({"messages": window, "train_from": len(window) - 1, "turn": k + 1})
+            rows[-1].update(about)
+            kept.append(samples[k])
     return Demos(
         rows, family.name, policy, len(train), dropped_cut, dropped_error, dropped_untrained,
-        trimmed, kept,
+        trimmed, kept, episode_stats, limits.history == "window",
     )  # fmt: skip
 
 
