@@ -4,9 +4,11 @@ solvable, ids and splits, options."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
+from rlvr.config import load_config
 from rlvr.envs.base import Env, split_instances
 from rlvr.envs.frozenlake import (
     MAX_TURNS_BY_SIZE,
@@ -17,6 +19,9 @@ from rlvr.envs.frozenlake import (
 )
 from rlvr.errors import ConfigError
 from rlvr.records import Task
+from rlvr.rollout.engine import RolloutLimits, Scoring, rollout_groups
+from rlvr.rollout.generator import Completion, SamplingParams
+from rlvr.train.sources import Sources
 
 LAKE = ["PFFF", "FHFH", "FFFH", "HFFG"]
 
@@ -53,15 +58,18 @@ def test_moves_and_edges() -> None:
     env = FrozenLakeEnv(make_task(LAKE))
     out = env.step(answer("Right"))
     assert env.player == (0, 1)
-    assert out.rewards == {"success": 0.0, "invalid_action": 0.0}
+    assert out.rewards == {"success": 0.0, "no_effect": 0.0, "invalid_action": 0.0}
     assert not out.done
     assert out.messages[0]["role"] == "user"
     assert "You moved Right.\nF P F F" in out.messages[0]["content"]
-    out = env.step(answer("up"))  # the top edge: valid, no effect, no penalty
+    out = env.step(answer("up"))  # the top edge: valid, no effect, no penalty by default
     assert env.player == (0, 1)
     assert out.info["no_effect"] == 1
-    assert out.rewards["invalid_action"] == 0.0
+    assert out.rewards == {"success": 0.0, "no_effect": 1.0, "invalid_action": 0.0}
+    assert FrozenLakeFamily.reward_weights["no_effect"] == 0.0  # logged, not optimised
     assert "edge" in out.messages[0]["content"]
+    out = env.step("Up, I think")  # invalid: no move was made, so no edge push either
+    assert out.rewards == {"success": 0.0, "no_effect": 0.0, "invalid_action": 1.0}
 
 
 def test_winning_sequence_succeeds() -> None:
@@ -77,7 +85,7 @@ def test_hole_loses_and_ends() -> None:
     env.step(answer("Right"))
     out = env.step(answer("Down"))
     assert out.done and out.messages == []
-    assert out.rewards == {"success": 0.0, "invalid_action": 0.0}
+    assert out.rewards == {"success": 0.0, "no_effect": 0.0, "invalid_action": 0.0}
     assert out.info["fell"] == 1
     with pytest.raises(RuntimeError):
         env.step(answer("Up"))
@@ -91,7 +99,7 @@ def test_invalid_action_is_penalised_and_changes_nothing(text: str, why: str) ->
     env = FrozenLakeEnv(make_task(LAKE))
     out = env.step(text)
     assert env.player == (0, 0)
-    assert out.rewards == {"success": 0.0, "invalid_action": 1.0}
+    assert out.rewards == {"success": 0.0, "no_effect": 0.0, "invalid_action": 1.0}
     assert out.info == {"invalid_action": 1, "state_key": (0, 0)}
     assert not out.done
     content = out.messages[0]["content"]
@@ -185,24 +193,26 @@ def test_slips_come_from_the_task_and_episode_index_not_a_process_counter() -> N
     assert FrozenLakeEnv(make_task(OPEN_LAKE, True), seed=7).seed == 7
 
 
+class Always:
+    """A generator whose every turn answers `move`, EOS-terminated (tiny tokenizer)."""
+
+    def __init__(self, move: str) -> None:
+        from rlvr.models import tiny_tokenizer
+
+        self.tokenizer = tiny_tokenizer()
+        eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        text = f"<answer>{move}</answer>"
+        self.reply = (*self.tokenizer(text, add_special_tokens=False)["input_ids"], eos)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Any]:
+        completion = Completion(self.reply, (0.0,) * len(self.reply), "stop")
+        return [[completion] * sampling.n for _ in prompts]
+
+
 def test_the_engine_gives_each_episode_of_a_group_its_index() -> None:
     """Through the rollout engine: G episodes of one task get indices 0..G-1 (so they slip
     differently), and replaying the round in a fresh family plays the same slips."""
-    from rlvr.models import tiny_tokenizer
-    from rlvr.rollout.engine import RolloutLimits, Scoring, rollout_groups
-    from rlvr.rollout.generator import Completion, SamplingParams
-
-    tok = tiny_tokenizer()
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    reply = [*tok("<answer>Up</answer>", add_special_tokens=False)["input_ids"], eos]
-
-    class AlwaysUp:
-        def generate(
-            self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
-        ) -> list[list[Completion]]:
-            completion = Completion(tuple(reply), (0.0,) * len(reply), "stop")
-            return [[completion] * sampling.n for _ in prompts]
-
+    always_up = Always("Up")
     made: list[FrozenLakeEnv] = []
 
     def play() -> list[tuple[str, ...]]:
@@ -216,8 +226,8 @@ def test_the_engine_gives_each_episode_of_a_group_its_index() -> None:
         groups = rollout_groups(
             [make_task(OPEN_LAKE, slippery=True)],
             make_env,
-            AlwaysUp(),
-            tok,
+            always_up,
+            always_up.tokenizer,
             SamplingParams(n=6, max_new_tokens=32),
             Scoring(env_weights=dict(FrozenLakeFamily.reward_weights)),
             RolloutLimits(max_turns=4),
@@ -229,6 +239,27 @@ def test_the_engine_gives_each_episode_of_a_group_its_index() -> None:
     assert play() == first
     assert len(set(first)) > 1
     assert any("slipped" in text for episode in first for text in episode)
+
+
+@pytest.mark.parametrize(("weight", "reward"), [(None, 0.0), (-0.1, -0.4)])
+def test_edge_pushes_are_logged_and_shaped_only_when_weighted(
+    weight: float | None, reward: float
+) -> None:
+    """`no_effect` counts the episode's pushes into the edge; at its default weight 0 it changes no
+    reward, with `task.env.reward_weights.no_effect` it shapes each pushing turn's reward."""
+    sets = ["task.source=env", "task.env.name=frozenlake", "task.env.num_train=4"]
+    if weight is not None:
+        sets.append(f"task.env.reward_weights.no_effect={weight}")
+    (source,) = list(Sources(load_config(None, sets), None))
+    up = Always("Up")  # LAKE's player starts on the top row: every move pushes into the edge
+    (group,) = rollout_groups(
+        [make_task(LAKE)], source.make_env, up, up.tokenizer, SamplingParams(n=1, max_new_tokens=32),
+        source.scoring, RolloutLimits(max_turns=4),
+    )  # fmt: skip
+    (episode,) = group.trajectories
+    assert episode.rewards["no_effect"] == 4.0 and episode.rewards["success"] == 0.0
+    assert episode.reward == pytest.approx(reward)
+    assert episode.turn_rewards == pytest.approx([reward / 4] * 4)
 
 
 def test_not_slippery_never_slips() -> None:

@@ -5,8 +5,11 @@ The grid game of Gymnasium's FrozenLake as used for multi-turn agent RL in RAGEN
 the player P stands on frozen ice F; each turn the model answers one move, Up, Down, Left or Right,
 inside <answer></answer> (case-insensitive). Reaching the goal G wins (`success` 1.0, episode over);
 stepping onto a hole H loses (episode over). A move into the lake's edge leaves the player in place
-(a valid move without effect). An answer that is missing or not one of the four moves changes
-nothing and earns `invalid_action` 1.0 (weight -0.1); the observation says what was wrong.
+(a valid move without effect; it earns `no_effect` 1.0, weight 0: logged as reward/no_effect, the
+edge pushes an episode made, and not optimised unless `task.env.reward_weights.no_effect` is set,
+e.g. -0.1, to shape the reward against wasted moves; on slippery ice a slip into the edge counts
+too). An answer that is missing or not one of the four moves changes nothing and earns
+`invalid_action` 1.0 (weight -0.1); the observation says what was wrong.
 
 The dynamics are Gymnasium's FrozenLake-v1 (`desc=` the task's map, `is_slippery`), played through
 the gymnasium adapter (rlvr.envs.gym_adapter); rlvr renders the lake, parses the answer and names the
@@ -47,6 +50,7 @@ from rlvr.envs.base import (
     Env,
     EnvFamily,
     EnvOptions,
+    EnvStep,
     Message,
     register_env,
 )
@@ -196,7 +200,7 @@ SPEC = GymSpec(
     render=_render_state,
     parse=_parse_action,
     rewards=_success,
-    reward_parts=("success",),
+    reward_parts=("success", "no_effect"),  # no_effect: set by FrozenLakeEnv.step
     instruction=ANSWER_FORMAT,
 )
 SPEC_WITH_POSITIONS = dataclasses.replace(SPEC, render=_render_with_positions)
@@ -235,6 +239,11 @@ class FrozenLakeEnv(GymEnv):
         self.size = len(rows)
         spec = SPEC_WITH_POSITIONS if task.fields.get("observation") == "positions" else SPEC
         super().__init__(task, spec, seed=seed)
+
+    def step(self, assistant_text: str) -> EnvStep:
+        out = super().step(assistant_text)
+        out.rewards["no_effect"] = float(out.info.get("no_effect", 0))  # a push into the edge
+        return out
 
     def state_key(self, observation: Any) -> Cell:
         """The player's cell: the lake is the task's, so the cell is the whole state. GiGPO groups
@@ -316,7 +325,11 @@ class FrozenLakeFamily(EnvFamily):
     )
     Options: ClassVar[type[EnvOptions]] = FrozenLakeOptions
     success_metric: ClassVar[str] = "success"
-    reward_weights: ClassVar[Mapping[str, float]] = {"success": 1.0, "invalid_action": -0.1}
+    reward_weights: ClassVar[Mapping[str, float]] = {
+        "success": 1.0,
+        "invalid_action": -0.1,
+        "no_effect": 0.0,  # logged; a negative weight shapes against edge pushes
+    }
     example_config: ClassVar[str] = "examples/env_frozenlake.yaml"
 
     def generate(self, seed: int) -> Task:
