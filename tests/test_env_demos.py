@@ -303,6 +303,16 @@ def test_cli_writes_rows_and_says_what_they_teach(tmp_path: Path, tiny_model_dir
     assert "teaches the format only, not the task" in result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 5 and all(r["task_id"].count("/") == 4 for r in rows)  # 5x5 lakes
+    window = CliRunner().invoke(
+        app,
+        ["env", "demos", "frozenlake", "--episodes", "5", "-o", str(out), "--seed", "1",
+         "--set", "rollout.history=window", "--tokenizer", str(tiny_model_dir)],
+    )  # fmt: skip
+    assert window.exit_code == 0, window.output
+    turns = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(turns) > 5 and {r["turn"] for r in turns} >= {1, 2}
+    assert "wrote 5 demonstrations" in window.output
+    assert f"{len(turns)} rows, one per turn (rollout.history window)" in window.output
 
 
 @pytest.mark.parametrize(
