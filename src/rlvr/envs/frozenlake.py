@@ -5,10 +5,10 @@ The grid game of Gymnasium's FrozenLake as used for multi-turn agent RL in RAGEN
 the player P stands on frozen ice F; each turn the model answers one move, Up, Down, Left or Right,
 inside <answer></answer> (case-insensitive). Reaching the goal G wins (`success` 1.0, episode over);
 stepping onto a hole H loses (episode over). A move into the lake's edge leaves the player in place
-(a valid move without effect; it earns `no_effect` 1.0, weight 0: logged as reward/no_effect, the
-edge pushes an episode made, and not optimised unless `task.env.reward_weights.no_effect` is set,
-e.g. -0.1, to shape the reward against wasted moves; on slippery ice a slip into the edge counts
-too). An answer that is missing or not one of the four moves changes nothing and earns
+(a valid move without effect; it earns `no_effect` 1.0, weight 0: logged as rewards/no_effect/mean,
+the edge pushes an episode made, and not optimised unless `task.env.reward_weights.no_effect` is
+set, e.g. -0.1, to shape the reward against wasted moves; on slippery ice a slip into the edge
+counts too). An answer that is missing or not one of the four moves changes nothing and earns
 `invalid_action` 1.0 (weight -0.1); the observation says what was wrong.
 
 The dynamics are Gymnasium's FrozenLake-v1 (`desc=` the task's map, `is_slippery`), played through
