@@ -292,24 +292,24 @@ def test_a_family_without_the_hooks_is_told_what_to_define(tmp_path: Path) -> No
         assert "\n" not in str(err.value)
 
 
-def test_cli_writes_rows_and_says_what_they_teach(tmp_path: Path, tiny_model_dir: Path) -> None:
-    out = tmp_path / "demos.jsonl"
+def demos_cli(out: Path, tokenizer_dir: Path, *sets: str) -> tuple[Any, list[dict[str, Any]]]:
+    """`rlvr env demos frozenlake` (5 episodes, seed 1) with `--set`s: its result and its rows."""
+    overrides = [arg for name in sets for arg in ("--set", name)]
     result = CliRunner().invoke(
         app,
         ["env", "demos", "frozenlake", "--episodes", "5", "-o", str(out), "--seed", "1",
-         "--set", "task.env.options.size=5", "--tokenizer", str(tiny_model_dir)],
+         *overrides, "--tokenizer", str(tokenizer_dir)],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
+    return result, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_cli_writes_rows_and_says_what_they_teach(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "demos.jsonl"
+    result, rows = demos_cli(out, tiny_model_dir, "task.env.options.size=5")
     assert "teaches the format only, not the task" in result.output
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 5 and all(r["task_id"].count("/") == 4 for r in rows)  # 5x5 lakes
-    window = CliRunner().invoke(
-        app,
-        ["env", "demos", "frozenlake", "--episodes", "5", "-o", str(out), "--seed", "1",
-         "--set", "rollout.history=window", "--tokenizer", str(tiny_model_dir)],
-    )  # fmt: skip
-    assert window.exit_code == 0, window.output
-    turns = [json.loads(line) for line in out.read_text().splitlines()]
+    window, turns = demos_cli(out, tiny_model_dir, "rollout.history=window")
     assert len(turns) > 5 and {r["turn"] for r in turns} >= {1, 2}
     assert "wrote 5 demonstrations" in window.output
     assert f"{len(turns)} rows, one per turn (rollout.history window)" in window.output

@@ -323,7 +323,7 @@ def play_demos(
             continue
         samples = traj.turn_samples()
         for k in range(complete):
-            if noisy_turns[k : k + 1] == [True]:
+            if k < len(noisy_turns) and noisy_turns[k]:
                 continue  # a random turn: context of the later windows only
             first = assistant_at[max(0, k - limits.history_turns)]
             window = [*messages, *after_opening[first : assistant_at[k] + 1]]
