@@ -234,6 +234,15 @@ ROWS = [
         not_run=no_format(0, "sudoku")),
     Row("sudoku-warmup", "sudoku 4x4; format warm-up, then RL", "env_sudoku_warmup.yaml",
         "+20 points", target_gain=0.20, overrides=HELDOUT_200, pipeline=True),
+    # Behaviour cloning of the solved grid (the solver's one answer) on 512 train puzzles, one pass
+    # over them (128 steps of 4): the random warm-up's grids are almost never valid, so its RL saw no
+    # success to learn from (0.0% -> 0.0%). Held-out puzzles have answer grids no train puzzle has
+    # (sudoku's split_key), so the clone cannot recall an answer: it has to fill the blanks.
+    Row("sudoku-solver-warmup", "sudoku 4x4; solver warm-up (behaviour cloning of solved train "
+        "puzzles), then RL", "env_sudoku_warmup.yaml", "+20 points", target_gain=0.20,
+        overrides=HELDOUT_200, pipeline=True,
+        stage_overrides=("env_demos.policy=scripted", "env_demos.episodes=512",
+                         "config.train.steps=128")),
     # Trains on the env's 50 tasks, held out: the 118 HumanEval problems that convert strictly and
     # repeat none of them (rlvr.envs.humaneval; 24 bundled tasks held out before, too few: 0/24 allows
     # a true 14%). HumanEval prompts run to 410 tokens: 1024 holds one and two 256-token answers.
