@@ -515,3 +515,63 @@ def test_a_killed_run_removes_its_shared_memory_folder(tmp_path: Path) -> None:
         SimpleNamespace(generator=SimpleNamespace(process=None, owns_sync_dir=False, sync_dir=kept))
     )
     assert kept.exists()  # a sync_dir the user gave is theirs
+
+
+def test_a_connection_closed_without_an_answer_is_retried_once() -> None:
+    """The keep-alive race (CI, session 36): a server closing a pooled connection as a request
+    goes out answers nothing (RemoteProtocolError). The generator sends the request once more
+    on a new connection; a server that closes every connection is an error after two tries."""
+    import socket
+    import threading
+
+    body = json.dumps(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "token_ids": [7, 8],
+                    "finish_reason": "length",
+                    "logprobs": {"token_logprobs": [-1.0, -2.0]},
+                }
+            ]
+        }
+    ).encode()
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+
+    def serve(listener: socket.socket, answered: list[bool], seen: list[int]) -> None:
+        for reply in answered:
+            conn, _ = listener.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, rest = data.partition(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                seen.append(len(rest))
+                if reply:
+                    conn.sendall(answer)  # else: closed with no answer, as a stale connection is
+
+    for answered, ok in (([False, True], True), ([False, False], False)):
+        listener = socket.create_server(("127.0.0.1", 0))
+        seen: list[int] = []
+        thread = threading.Thread(target=serve, args=(listener, answered, seen), daemon=True)
+        thread.start()
+        gen = ServerGenerator(f"http://127.0.0.1:{listener.getsockname()[1]}/v1", "m")
+        try:
+            if ok:
+                [[completion]] = gen.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+                assert completion.token_ids == (7, 8)
+            else:
+                with pytest.raises(ServerError, match="RemoteProtocolError"):
+                    gen.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        finally:
+            gen.close()
+            thread.join(5)
+            listener.close()
+        assert len(seen) == 2 and seen[0] == seen[1] > 0  # the same request, twice, no more

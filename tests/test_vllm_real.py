@@ -47,6 +47,7 @@ RUN_S = 300.0
 REQUEST_S = 120.0
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+SERVER_LOGS: dict[str, Path] = {}  # URL -> log of a server started here: quoted when a run fails
 
 
 def vllm_bin() -> Path | None:
@@ -86,7 +87,15 @@ def on_path(vllm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("PATH", f"{shim}{os.pathsep}{os.environ.get('PATH', '')}")
 
 
-def _train(run_dir: Path, config_dir: Path, *sets: str, resume: bool = False) -> None:
+def _train(
+    run_dir: Path,
+    config_dir: Path,
+    *sets: str,
+    resume: bool = False,
+    server_log: Path | None = None,
+) -> None:
+    """One `rlvr train` in a subprocess; on failure its stderr and the server's log (the run's
+    own, or `server_log` for a server started here) are quoted."""
     if resume:
         head = ["--resume", str(run_dir)]
     else:
@@ -96,7 +105,7 @@ def _train(run_dir: Path, config_dir: Path, *sets: str, resume: bool = False) ->
         cmd += ["--set", s]
     env = {**os.environ, **VLLM_ENV}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_S)
-    log = run_dir / "generator_server.log"
+    log = server_log or run_dir / "generator_server.log"
     server = log.read_text(errors="replace")[-3000:] if log.exists() else ""
     assert done.returncode == 0, done.stderr[-5000:] + done.stdout[-1500:] + server
 
@@ -187,6 +196,7 @@ def lora_server(
             argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     url = f"http://127.0.0.1:{port}/v1"
+    SERVER_LOGS[url] = log
     try:
         wait_for_server(url, STARTUP_S, process=process, log_path=log)
         yield url
@@ -213,9 +223,10 @@ def test_lora_sync_and_resume_against_the_same_vllm(
         "model.lora.alpha=16",
         "train.learning_rate=1e-3",  # adapters start at B = 0: a step that moves them visibly
     ]
-    _train(run, tiny_config_dir, *sets, "train.steps=2")
+    log = SERVER_LOGS[lora_server]
+    _train(run, tiny_config_dir, *sets, "train.steps=2", server_log=log)
     assert _served(lora_server) == [model_path]  # the run's last adapter unloaded at close
-    _train(run, tiny_config_dir, "train.steps=3", resume=True)
+    _train(run, tiny_config_dir, "train.steps=3", resume=True, server_log=log)
     assert _served(lora_server) == [model_path]
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3]

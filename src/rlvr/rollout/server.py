@@ -71,6 +71,11 @@ from rlvr.rollout.weight_files import write_shards
 from rlvr.serve.auth import API_KEY_ENV
 
 MASK64 = (1 << 64) - 1
+# vLLM's uvicorn closes a connection idle for 5 s, and httpx's pool also keeps one for 5 s: a request
+# sent on a pooled connection just as the server closes it dies with RemoteProtocolError "Server
+# disconnected without sending a response" (CI, session 36: a LoRA run idle through its update).
+# The pool drops idle connections well before the server does, and `_send` retries once.
+KEEPALIVE_S = 2.0
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 
 
@@ -132,7 +137,7 @@ class ServerGenerator:
         self.client = httpx.Client(
             timeout=request_timeout_s,
             trust_env=False,
-            limits=httpx.Limits(max_connections=max_concurrency),
+            limits=httpx.Limits(max_connections=max_concurrency, keepalive_expiry=KEEPALIVE_S),
             headers=auth_headers(api_key),
         )
         self.pool: ThreadPoolExecutor | None = None
@@ -249,7 +254,7 @@ class ServerGenerator:
         url = f"{self.root}{path}"
         try:
             with watch("server_request", f"POST {url}"):
-                response = self.client.post(url, json=payload)
+                response = self._send("POST", url, json=payload)
         except httpx.HTTPError as err:
             raise ServerError(f"{url}: {type(err).__name__}: {err}") from None
         if response.status_code >= 400:
@@ -258,10 +263,20 @@ class ServerGenerator:
             )
         return response
 
+    def _send(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        """One request, sent once more if the server closed the connection without answering:
+        what a pooled connection that went stale in the keep-alive race (KEEPALIVE_S) gives. A
+        retried completion is sampled again with the same seed; a load or unload that had taken
+        answers the retry with a 400, which the caller reports, as it does a server down both times."""
+        try:
+            return self.client.request(method, url, **kwargs)
+        except httpx.RemoteProtocolError:
+            return self.client.request(method, url, **kwargs)
+
     def _first_model(self) -> str:
         url = f"{self.root}/v1/models"
         try:
-            response = self.client.get(url)
+            response = self._send("GET", url)
             response.raise_for_status()
             return str(response.json()["data"][0]["id"])
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
