@@ -267,7 +267,8 @@ class ServerGenerator:
         """One request, sent once more if the server closed the connection without answering:
         what a pooled connection that went stale in the keep-alive race (KEEPALIVE_S) gives. A
         retried completion is sampled again with the same seed; a load or unload that had taken
-        answers the retry with a 400, which the caller reports, as it does a server down both times."""
+        answers the retry with an error (vLLM: 400 or 404), which the caller reports, as it does
+        a server that is down both times."""
         try:
             return self.client.request(method, url, **kwargs)
         except httpx.RemoteProtocolError:
