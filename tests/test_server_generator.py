@@ -518,10 +518,12 @@ def test_a_killed_run_removes_its_shared_memory_folder(tmp_path: Path) -> None:
 
 
 def test_a_connection_closed_without_an_answer_is_retried_once() -> None:
-    """The keep-alive race (CI, session 36): a server closing a pooled connection as a request
-    goes out answers nothing (RemoteProtocolError). The generator sends the request once more
-    on a new connection; a server that closes every connection is an error after two tries."""
+    """The keep-alive race (CI, stop 56): a server closing a pooled connection as a request goes
+    out answers nothing (RemoteProtocolError); a reset connection reads ECONNRESET (ReadError).
+    The generator sends the request once more on a new connection; a server that closes every
+    connection is an error after two tries."""
     import socket
+    import struct
     import threading
 
     body = json.dumps(
@@ -542,7 +544,7 @@ def test_a_connection_closed_without_an_answer_is_retried_once() -> None:
         + body
     )
 
-    def serve(listener: socket.socket, answered: list[bool], seen: list[int]) -> None:
+    def serve(listener: socket.socket, answered: list[str], seen: list[int]) -> None:
         for reply in answered:
             conn, _ = listener.accept()
             with conn:
@@ -554,21 +556,29 @@ def test_a_connection_closed_without_an_answer_is_retried_once() -> None:
                 while len(rest) < length:
                     rest += conn.recv(65536)
                 seen.append(len(rest))
-                if reply:
-                    conn.sendall(answer)  # else: closed with no answer, as a stale connection is
+                if reply == "answer":
+                    conn.sendall(answer)
+                elif reply == "reset":  # RST, not FIN: the client reads ECONNRESET (ReadError)
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                # "close": closed with no answer, as a stale keep-alive connection is
 
-    for answered, ok in (([False, True], True), ([False, False], False)):
+    cases = (
+        (["close", "answer"], "ok"),
+        (["reset", "answer"], "ok"),
+        (["close", "close"], "RemoteProtocolError"),
+    )
+    for answered, outcome in cases:
         listener = socket.create_server(("127.0.0.1", 0))
         seen: list[int] = []
         thread = threading.Thread(target=serve, args=(listener, answered, seen), daemon=True)
         thread.start()
         gen = ServerGenerator(f"http://127.0.0.1:{listener.getsockname()[1]}/v1", "m")
         try:
-            if ok:
+            if outcome == "ok":
                 [[completion]] = gen.generate([[1, 2]], SamplingParams(max_new_tokens=2))
                 assert completion.token_ids == (7, 8)
             else:
-                with pytest.raises(ServerError, match="RemoteProtocolError"):
+                with pytest.raises(ServerError, match=outcome):
                     gen.generate([[1, 2]], SamplingParams(max_new_tokens=2))
         finally:
             gen.close()

@@ -71,11 +71,13 @@ from rlvr.rollout.weight_files import write_shards
 from rlvr.serve.auth import API_KEY_ENV
 
 MASK64 = (1 << 64) - 1
-# vLLM's uvicorn closes a connection idle for 5 s, and httpx's pool also keeps one for 5 s: a request
-# sent on a pooled connection just as the server closes it dies with RemoteProtocolError "Server
-# disconnected without sending a response" (CI, session 36: a LoRA run idle through its update).
-# The pool drops idle connections well before the server does, and `_send` retries once.
-KEEPALIVE_S = 2.0
+# A request whose connection broke before an answer came is sent once more (`_send`). vLLM's uvicorn
+# closes a connection idle for 5 s and httpx's pool keeps one for 5 s: a request sent on a pooled
+# connection as the server closes it dies with RemoteProtocolError "Server disconnected without
+# sending a response" (CI, stop 56: a LoRA run idle through its update). Shortening the pool's
+# keep-alive instead (2 s) made httpcore close connections it had just handed to another thread
+# (ReadError "Bad file descriptor", encode/httpcore#1110; CI, session 37): the default stays.
+RETRIED_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 
 
@@ -137,7 +139,7 @@ class ServerGenerator:
         self.client = httpx.Client(
             timeout=request_timeout_s,
             trust_env=False,
-            limits=httpx.Limits(max_connections=max_concurrency, keepalive_expiry=KEEPALIVE_S),
+            limits=httpx.Limits(max_connections=max_concurrency),
             headers=auth_headers(api_key),
         )
         self.pool: ThreadPoolExecutor | None = None
@@ -264,14 +266,14 @@ class ServerGenerator:
         return response
 
     def _send(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
-        """One request, sent once more if the server closed the connection without answering:
-        what a pooled connection that went stale in the keep-alive race (KEEPALIVE_S) gives. A
-        retried completion is sampled again with the same seed; a load or unload that had taken
-        answers the retry with an error (vLLM: 400 or 404), which the caller reports, as it does
-        a server that is down both times."""
+        """One request, sent once more if its connection broke before an answer came
+        (RETRIED_ERRORS: a stale pooled connection, a reset). A retried completion is sampled
+        again with the same seed; a load or unload that had taken answers the retry with an error
+        (vLLM: 400 or 404), which the caller reports, as it does a server that is down both times.
+        A timeout is not retried: a slow server stays an error."""
         try:
             return self.client.request(method, url, **kwargs)
-        except httpx.RemoteProtocolError:
+        except RETRIED_ERRORS:
             return self.client.request(method, url, **kwargs)
 
     def _first_model(self) -> str:
