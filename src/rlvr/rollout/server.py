@@ -75,8 +75,9 @@ MASK64 = (1 << 64) - 1
 # closes a connection idle for 5 s and httpx's pool keeps one for 5 s: a request sent on a pooled
 # connection as the server closes it dies with RemoteProtocolError "Server disconnected without
 # sending a response" (CI, stop 56: a LoRA run idle through its update). Shortening the pool's
-# keep-alive instead (2 s) made httpcore close connections it had just handed to another thread
-# (ReadError "Bad file descriptor", encode/httpcore#1110; CI, session 37): the default stays.
+# keep-alive instead (2 s) was followed in CI by ReadError "Bad file descriptor" with many threads,
+# likely httpcore closing a connection it had just handed to another thread (encode/httpcore#1110):
+# the default stays.
 RETRIED_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 
