@@ -56,6 +56,8 @@ def render(
         "the row stored its per-instance results on the same held-out set, else unpaired from its",
         "pass count). `met` is judged against chance where the env has a random policy: a gain",
         "target counts the gain over chance, and every target needs that interval to exclude 0.",
+        "The demo's arithmetic is a dataset task, not an env: it has no legal moves to draw, and its",
+        "target is a level, judged on `after` and the training minutes.",
         "A row measured on a held-out set that the split keys have since changed says",
         "`re-measure`: its before/after are as measured, on the old set.",
         "",
@@ -83,8 +85,8 @@ def render(
         )
         rand = None if rand_record is None or rand_record.get("absent") else rand_record
         metric = _metric_text(rand_record or solver)
-        chance_cell = _rate_text(rand_record, "no random policy")
-        solver_cell = _rate_text(solver, "no solver")
+        chance_cell = _rate_text(rand_record, "no random policy") or row.no_policy
+        solver_cell = _rate_text(solver, "no solver") or row.no_policy
         if r is None:
             lines.append(
                 f"| {row.task} | {row.target} | {metric} | {row.not_run or 'not measured yet'} | "

@@ -84,6 +84,8 @@ class Row:
     # Set on every warm-up stage itself (not its config), e.g. env_demos.policy=scripted.
     stage_overrides: tuple[str, ...] = field(default_factory=tuple)
     not_run: str = ""  # why the row is left unmeasured on purpose (the table prints it)
+    # What the chance and solver cells say for a row that is not an env (no legal moves to draw).
+    no_policy: str = ""
 
 
 # Env rows score 200 held-out instances (the example configs evaluate on fewer during training).
@@ -117,7 +119,8 @@ def no_format(tagged: int, env: str) -> str:
 
 ROWS = [
     Row("arithmetic", "arithmetic, 2-digit addition (the demo)", "quickstart.yaml",
-        ">= 80% in <= 10 min", target_after=0.80, max_minutes=10.0),
+        ">= 80% in <= 10 min", target_after=0.80, max_minutes=10.0,
+        no_policy="not an env: no legal moves"),
     Row("calculator-1op", "calculator, 1 operation", "env_calculator.yaml",
         ">= 90%, tool used in >= 95%", target_after=0.90, min_tool_rate=0.95),
     Row("calculator-2op", "calculator, 2 operations", "env_calculator.yaml", ">= 50%",

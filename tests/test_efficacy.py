@@ -567,6 +567,21 @@ def test_a_row_left_unrun_on_purpose_says_why(efficacy: ModuleType) -> None:
     assert "not run" not in line and "| 200 |  |  | 0.0% |  | 2.0% |" in line
 
 
+def test_a_row_that_is_not_an_env_says_so_in_its_chance_cells(efficacy: ModuleType) -> None:
+    """The demo's arithmetic task has no legal moves to draw at random, so its chance and solver
+    cells say so rather than stand empty, which reads as "not measured"; env rows without a
+    chance record yet stay empty."""
+    results = [seed_result(0, [1.0, 1.0, 0.0, 0.0])]
+    line = next(li for li in efficacy.render(results).splitlines() if li.startswith("| arithmetic"))
+    assert "| 4 | not an env: no legal moves | not an env: no legal moves | 25.0% |" in line
+    line = next(
+        li
+        for li in efficacy.render([]).splitlines()
+        if li.startswith("| frozenlake 4x4, not slippery |")
+    )
+    assert "| not measured yet |  |  |" in line
+
+
 def seed_result(seed: int | None, after: list[float], command_tail: str = "", **more: Any) -> dict:
     """A row result as efficacy.py writes it, for the arithmetic row on 4 instances (no chance
     record: arithmetic has no env), `seed` None standing for a result from before seeds were
