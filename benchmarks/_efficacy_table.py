@@ -20,6 +20,7 @@ PRECISION_BEFORE_IT_WAS_RECORDED = "bf16 autocast (auto, before it became fp32)"
 def render(
     rows: Sequence[Any],
     met: Callable[..., bool],
+    is_env: Callable[[str], bool],
     chance_episodes: int,
     results: list[dict[str, Any]],
     chance: list[dict[str, Any]] | None = None,
@@ -85,8 +86,10 @@ def render(
         )
         rand = None if rand_record is None or rand_record.get("absent") else rand_record
         metric = _metric_text(rand_record or solver)
-        chance_cell = _rate_text(rand_record, "no random policy") or row.no_policy
-        solver_cell = _rate_text(solver, "no solver") or row.no_policy
+        # A dataset task has no legal moves to draw: say so, since an empty cell reads "not measured".
+        no_policy = "" if is_env(row.name) else "not an env: no legal moves"
+        chance_cell = _rate_text(rand_record, "no random policy") or no_policy
+        solver_cell = _rate_text(solver, "no solver") or no_policy
         if r is None:
             lines.append(
                 f"| {row.task} | {row.target} | {metric} | {row.not_run or 'not measured yet'} | "

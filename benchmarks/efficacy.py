@@ -44,6 +44,7 @@ Usage: python benchmarks/efficacy.py [--rows arithmetic calculator-1op ...] [--b
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import platform
@@ -84,8 +85,6 @@ class Row:
     # Set on every warm-up stage itself (not its config), e.g. env_demos.policy=scripted.
     stage_overrides: tuple[str, ...] = field(default_factory=tuple)
     not_run: str = ""  # why the row is left unmeasured on purpose (the table prints it)
-    # What the chance and solver cells say for a row that is not an env (no legal moves to draw).
-    no_policy: str = ""
 
 
 # Env rows score 200 held-out instances (the example configs evaluate on fewer during training).
@@ -119,8 +118,7 @@ def no_format(tagged: int, env: str) -> str:
 
 ROWS = [
     Row("arithmetic", "arithmetic, 2-digit addition (the demo)", "quickstart.yaml",
-        ">= 80% in <= 10 min", target_after=0.80, max_minutes=10.0,
-        no_policy="not an env: no legal moves"),
+        ">= 80% in <= 10 min", target_after=0.80, max_minutes=10.0),
     Row("calculator-1op", "calculator, 1 operation", "env_calculator.yaml",
         ">= 90%, tool used in >= 95%", target_after=0.90, min_tool_rate=0.95),
     Row("calculator-2op", "calculator, 2 operations", "env_calculator.yaml", ">= 50%",
@@ -633,6 +631,12 @@ def row_rl_config(row: Row) -> Any:
     return first_rl_config(load_pipeline_config(path, sets), EXAMPLES)
 
 
+@functools.cache
+def is_env(name: str) -> bool:
+    """Whether the row plays an env (a random legal policy to measure), not a dataset task."""
+    return bool(row_rl_config(BY_NAME[name]).task.source == "env")
+
+
 def measure_chance(row: Row, n: int, episodes: int, memo: dict[str, list]) -> list[dict]:
     """The chance (random legal policy) and solver records of one row; rows that play the same
     held-out instances under the same limits share one measurement (`memo`)."""
@@ -640,9 +644,9 @@ def measure_chance(row: Row, n: int, episodes: int, memo: dict[str, list]) -> li
 
     from rlvr.build import rollout_limits
 
-    cfg = row_rl_config(row)
-    if cfg.task.source != "env":
+    if not is_env(row.name):
         return []
+    cfg = row_rl_config(row)
     key = json.dumps(
         [cfg.task.model_dump(mode="json"), dataclasses.asdict(rollout_limits(cfg)),
          cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens, cfg.model.name, n, episodes],
@@ -673,7 +677,7 @@ def measure_chance(row: Row, n: int, episodes: int, memo: dict[str, list]) -> li
 
 def render(results: list[dict[str, Any]], chance: list[dict[str, Any]] | None = None) -> str:
     """docs/efficacy.md from the newest result and chance / solver record of every row."""
-    return efficacy_table.render(ROWS, met, CHANCE_EPISODES, results, chance)
+    return efficacy_table.render(ROWS, met, is_env, CHANCE_EPISODES, results, chance)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
