@@ -10,7 +10,7 @@ new one (issue 35, item 3), on the same weights, in one run.
   at a time into ~1 GiB shards, into /dev/shm (what a launched server gets by default).
 
 Each is timed as the sync's write plus the server side's read of every tensor back into memory
-(rlvr.serve.completions.read_weights, what rlvr serve's reload does before copying), best of
+(rlvr.rollout.weight_files.read_weight_files, what rlvr serve's reload does before copying), best of
 `--repeats`. vLLM's own reload then copies the tensors into its model, the same for both. No GPU
 and no server process: this isolates what changed. On a GPU box the NCCL transfer (not built) would
 skip the host entirely.
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _machine
 from rlvr.models import load_policy
 from rlvr.rollout.server import save_full, write_folder, write_tied_head
-from rlvr.serve.completions import read_weights
+from rlvr.rollout.weight_files import read_weight_files as read_weights
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = {"qwen2.5-1.5b": REPO / "tests" / "data" / "configs" / "qwen2.5-1.5b.json"}

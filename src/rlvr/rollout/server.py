@@ -66,9 +66,9 @@ from rlvr.config import GeneratorConfig, RunConfig
 from rlvr.errors import ConfigError, RlvrError
 from rlvr.models import Policy, eos_token_ids, resolve_model_path
 from rlvr.observe.watchdog import watch
+from rlvr.rollout.endpoints import API_KEY_ENV, free_port
 from rlvr.rollout.generator import Completion, SamplingParams
 from rlvr.rollout.weight_files import write_shards
-from rlvr.serve.auth import API_KEY_ENV
 
 MASK64 = (1 << 64) - 1
 # A request whose connection broke before an answer came is sent once more (`_send`). vLLM's uvicorn
@@ -576,8 +576,6 @@ def launch_server(
     """Start the server (port 0: a free one), wait until it answers, return (process, base URL
     ending in /v1). Its output goes to `log_path` (default: a temp file), quoted when it dies.
     `api_key`: the key the server requires (and the readiness poll sends)."""
-    from rlvr.serve.runner import free_port
-
     port = port or free_port()
     argv, env = launch_command(
         cfg,

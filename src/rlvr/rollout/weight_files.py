@@ -104,3 +104,18 @@ def write_safetensors(
             data = scratch.cast(tensor.detach(), out_dtype)
             if data.numel():
                 out.write(data.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def read_weight_files(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file `path`, or of all *.safetensors files in folder `path`
+    (what a server's reload reads; FileNotFoundError when there are none)."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    files = [folder] if folder.is_file() else sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in '{path}'")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    return weights

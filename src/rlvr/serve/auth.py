@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import Request, Response
 
+from rlvr.rollout.endpoints import API_KEY_ENV
 from rlvr.serve.shared import error_response
 
-API_KEY_ENV = "RLVR_API_KEY"
 # vLLM's runtime-LoRA and dev-mode endpoints, served by completions.py.
 ADMIN_PATHS = frozenset(
     {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/collective_rpc", "/reset_prefix_cache"}

@@ -61,6 +61,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from rlvr.rollout.generator import Completion, SamplingParams
+from rlvr.rollout.weight_files import read_weight_files
 from rlvr.serve.shared import BadInput, error_response, seeded, top_logprobs, training_limits
 from rlvr.serve.state import ServeState
 
@@ -492,17 +493,11 @@ def plain_parameters(model: Any) -> dict[str, torch.Tensor]:
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors file `path`, or of all *.safetensors files in folder `path`."""
-    from safetensors.torch import load_file
-
-    folder = Path(path)
-    files = [folder] if folder.is_file() else sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise BadInput(f"no *.safetensors weights in '{path}'", "weights_path")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights.update(load_file(str(file)))
-    return weights
+    """rollout.weight_files.read_weight_files, a missing file a client error."""
+    try:
+        return read_weight_files(path)
+    except FileNotFoundError as err:
+        raise BadInput(str(err), "weights_path") from None
 
 
 def reload_weights(state: ServeState, path: str | Path) -> None:

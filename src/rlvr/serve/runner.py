@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import uvicorn
 
 from rlvr.models import Policy, eos_token_ids
+from rlvr.rollout.endpoints import free_port
 from rlvr.rollout.hf import HFGenerator
 from rlvr.serve.state import ServeState
 
@@ -35,12 +35,6 @@ def serve_state(
     return ServeState(
         model=policy.model, tokenizer=policy.tokenizer, generator=generator, model_name=model_name
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class BackgroundServer:
