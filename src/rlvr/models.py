@@ -348,16 +348,30 @@ def load_policy(
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"could not load model '{name}': {first_line}") from err
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+        drop_input_grad_hook(model)
     if lora is not None:
-        return Policy(model=add_lora(model, lora, "CAUSAL_LM"), tokenizer=tokenizer, lora=True)
+        adapted = add_lora(model, lora, "CAUSAL_LM")
+        if gradient_checkpointing:
+            drop_input_grad_hook(model)  # peft registers it again
+        return Policy(model=adapted, tokenizer=tokenizer, lora=True)
     sparse_tied_embedding_grad(model)
     reference = None
     if need_reference:
         reference = copy.deepcopy(model).eval()
         reference.requires_grad_(False)
     return Policy(model=model, tokenizer=tokenizer, lora=False, _reference=reference)
+
+
+def drop_input_grad_hook(model: Any) -> None:
+    """Remove the forward hook that transformers (and peft) put on the input embedding when
+    checkpointing is enabled, which makes the embedding's output require grad. Reentrant
+    checkpointing needs it (a segment whose inputs need no grad gives its weights none); the
+    non-reentrant kind rlvr enables does not. A hooked module makes the fast sampler decline the
+    model (rollout/fast_decode.py: only HF's forward runs hooks), so without this every checkpointed
+    run, the setting 7B-class full fine-tunes need, sampled through HF's slower forward."""
+    model.disable_input_require_grads()
 
 
 def sparse_tied_embedding_grad(model: Any) -> bool:

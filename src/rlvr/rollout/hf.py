@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, Protocol
@@ -177,6 +178,9 @@ class HFGenerator:
         self._fast: DecodeWeights | None = None  # the fast path's weights for this call
         self._fast_weights: DecodeWeights | None = None
         self._fast_key: Any = None  # the policy weights' fingerprint that `_fast_weights` copies
+        # Decode forwards and their seconds (sampling and the host read included) since the last
+        # `take_decode_stats`: `perf/decode_ms_per_step`, what a GPU's host-bound decode costs.
+        self._decode_steps, self._decode_seconds = 0, 0.0
 
     @contextlib.contextmanager
     def turn_session(self) -> Iterator[TurnCache | None]:
@@ -253,6 +257,14 @@ class HFGenerator:
             self._fast_weights = DecodeWeights.build(self.model, self.decode_dtype)
             self._fast_key = key
         return self._fast_weights
+
+    def take_decode_stats(self) -> dict[str, float]:
+        """Decode steps and ms per step since the last call (then counted afresh); {} if none."""
+        steps, seconds = self._decode_steps, self._decode_seconds
+        self._decode_steps, self._decode_seconds = 0, 0.0
+        if not steps:
+            return {}
+        return {"perf/decode_steps": float(steps), "perf/decode_ms_per_step": 1e3 * seconds / steps}
 
     def _turn_key(self) -> Any:
         """What the turn store's entries depend on: the weights (`weights_fingerprint`), the LoRA
@@ -361,6 +373,7 @@ class HFGenerator:
         active = list(range(rows))  # row ids still generating, in batch order
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
 
+        decode_started, decode_steps = time.perf_counter(), 0
         for step in range(sampling.max_new_tokens):
             new_tokens_B, new_logprobs_B = sample_from_logits(logits_B_V, sampling, self.rng)
             done_B = torch.isin(new_tokens_B, eos)
@@ -398,6 +411,10 @@ class HFGenerator:
             mask_B_L = torch.cat([mask_B_L, mask_B_L.new_ones((len(active), 1))], dim=1)
             logits_B_V = decoder.forward(new_tokens_B[:, None], mask_B_L, next_pos_B[:, None])
             next_pos_B = next_pos_B + 1
+            decode_steps += 1
+        # The loop's last host read synchronised the device: the time is the device's too.
+        self._decode_steps += decode_steps
+        self._decode_seconds += time.perf_counter() - decode_started
 
         completions = [
             Completion(

@@ -170,6 +170,8 @@ class RolloutPlan:
         if getattr(self.generator, "last_sync", None):
             out.update(self.generator.last_sync)
             self.generator.last_sync = {}
+        if hasattr(self.generator, "take_decode_stats"):  # the in-process sampler's decode speed
+            out.update(self.generator.take_decode_stats())
         return out
 
     def _server_generator(self, run_dir: Path, seed: int) -> Any:
