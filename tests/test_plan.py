@@ -254,7 +254,12 @@ def test_estimate_near_the_measured_peak_smollm2(tmp_path: Path) -> None:
     quick = EXAMPLES / "quickstart.yaml"
     _check(
         tmp_path,
-        {"smol_full": (quick, _SMOL), "smol_lora": (quick, [*_SMOL, "model.lora.enabled=true"])},
+        {
+            "smol_full": (quick, _SMOL),
+            "smol_lora": (quick, [*_SMOL, "model.lora.enabled=true"]),
+            # bf16 weights and moments (model.precision: lean); bf16 is the lean mode's own
+            "smol_lean": (quick, [*_SMOL, "model.precision=lean", "model.bf16=auto"]),
+        },
     )
 
 

@@ -11,7 +11,7 @@ import torch
 from rlvr.config import ModelConfig, RewardSpec, RunConfig, bf16_sampling_copy, decode_path
 from rlvr.devices import device_or_cpu as device_or_cpu  # re-exported: the trainer imports it here
 from rlvr.models import LoraSettings, Policy, eos_token_ids, load_policy
-from rlvr.optim import adamw
+from rlvr.optim import StochasticRoundingAdamW, adamw
 from rlvr.precision import bf16_setting_on
 from rlvr.rollout.engine import RolloutLimits
 from rlvr.rollout.hf import HFGenerator
@@ -36,8 +36,14 @@ def build_rubric(specs: list[RewardSpec], base_dir: Path | None = None) -> Rubri
 
 
 def use_bf16(cfg: ModelConfig) -> bool:
-    """Whether the trainer's matmuls run under bf16 autocast for this model config."""
-    return bf16_setting_on(cfg.bf16, cfg.name, cfg.device)
+    """Whether the trainer's matmuls run in bf16 for this model config (autocast; the lean mode's
+    weights are bf16 themselves)."""
+    return cfg.precision == "lean" or bf16_setting_on(cfg.bf16, cfg.name, cfg.device)
+
+
+def weights_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The dtype the policy's (and its reference's) weights are loaded in: bf16 in the lean mode."""
+    return torch.bfloat16 if cfg.precision == "lean" else torch.float32
 
 
 def build_policy(cfg: RunConfig) -> Policy:
@@ -51,6 +57,7 @@ def build_policy(cfg: RunConfig) -> Policy:
         cfg.model.name,
         lora=lora,
         need_reference=cfg.objective.beta > 0,
+        dtype=weights_dtype(cfg.model),
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         device=cfg.model.device,
         attn_implementation=cfg.model.attn_implementation,
@@ -88,12 +95,22 @@ def build_generator(policy: Policy, cfg: RunConfig) -> HFGenerator:
 
 def build_optimizer(policy: Policy, cfg: RunConfig) -> tuple[torch.optim.Optimizer, Any]:
     tc = cfg.train
-    optimizer = adamw(
-        policy.trainable_parameters(),
-        lr=tc.learning_rate,
-        betas=tc.adam_betas,
-        weight_decay=tc.weight_decay,
-    )
+    optimizer: torch.optim.Optimizer
+    if cfg.model.precision == "lean":  # bf16 weights and moments, stochastically rounded
+        optimizer = StochasticRoundingAdamW(
+            policy.trainable_parameters(),
+            lr=tc.learning_rate,
+            betas=tc.adam_betas,
+            weight_decay=tc.weight_decay,
+            seed=tc.seed,
+        )
+    else:
+        optimizer = adamw(
+            policy.trainable_parameters(),
+            lr=tc.learning_rate,
+            betas=tc.adam_betas,
+            weight_decay=tc.weight_decay,
+        )
 
     def lr_factor(step: int) -> float:
         if step < tc.warmup_steps:

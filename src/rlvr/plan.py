@@ -9,11 +9,12 @@ V vocabulary, L layers; B rows of a micro-batch, G group size, Lp prompt and C c
 N gpus. fsdp divides the starred items by N; ddp divides nothing (rows are split either way).
 
 Persistent: weights* 4P (full FT; LoRA: 4T + the frozen base, its matmul weights 2 bytes when
-    stored in bf16: a bf16 update on a GPU, or the CPU's bf16 sampler), gradients* 4T, AdamW* 8T
+    stored in bf16: a bf16 update on a GPU, or the CPU's bf16 sampler), AdamW* 8T
     (two fp32 moments, torch's fused kernel: no temporaries), reference* (full FT with beta > 0: a
     copy, matmul weights bf16 under bf16), ppo's critic (backbone + value head: 4 bytes each, 12
     more per trained one)*, distill's teacher (4P')*, an async producer's or fsdp's sampling copy (4P).
-Update (one micro-batch while the gradients are whole: not the first micro-batch):
+Update (one micro-batch while the gradients are whole: not the first micro-batch): gradients* 4T
+    (freed after each optimizer step, so rollouts and evals never hold them),
     activations: what autograd saves, per token and layer (a census with
         `torch.autograd.graph.saved_tensors_hooks` of HF's Llama and Qwen2 in training mode):
             fp32  4(6H + 4A + 4I + heads + 2) + 4 Lk      bf16  4(4H + heads + 2) + 2(5H + 4A + 4I) + 2 Lk
@@ -54,6 +55,7 @@ from typing import Any
 
 from rlvr.config import RunConfig, apply_overrides, config_to_dict
 from rlvr.errors import ConfigError
+from rlvr.optim import LEAN_CHUNK
 from rlvr.registry import ALGORITHMS
 
 GiB, MiB = 2**30, 2**20
@@ -309,6 +311,8 @@ def available_bytes(
 
 
 def _bf16(cfg: RunConfig, kind: str) -> bool:
+    if cfg.model.precision == "lean":  # bf16 weights
+        return True
     if cfg.model.bf16 != "auto" or kind == "cuda":
         return cfg.model.bf16 != "off"  # auto on a GPU: bf16 (compute capability 8.0+ assumed)
     from rlvr.precision import bf16_setting_on
@@ -377,6 +381,8 @@ def _estimate(cfg: RunConfig, s: ModelShape, kind: str, gpus: int, lp: int, how:
     fsdp = cfg.distributed.strategy == "fsdp" and gpus > 1
     shard, bf16 = (gpus if fsdp else 1), _bf16(cfg, kind)
     b = 2 if bf16 else 4
+    lean = cfg.model.precision == "lean"  # bf16 weights, gradients and moments (full FT)
+    w = 2 if lean else 4  # bytes of a stored weight and of its gradient
     path, copy_bf16 = _sampler(cfg, s, kind)
     envs = any(p.task.source == "env" for p in cfg.components()) or cfg.rollout.mode == "external"
     c = max(cfg.sampling.max_new_tokens, cfg.rollout.max_total_tokens if envs else 0)
@@ -409,12 +415,22 @@ def _estimate(cfg: RunConfig, s: ModelShape, kind: str, gpus: int, lp: int, how:
         add("weights (frozen base)", frozen / shard, P, "bf16 matmuls" if base_bf16 else "fp32")
         add("weights (adapters)", 4 * trained / shard, P, f"LoRA r={cfg.model.lora.r}")
     else:
-        add("weights", 4 * s.total / shard, P, "fp32 master")
-    add("gradients", 4 * trained / shard, P, "fp32")
-    add("optimizer", 8 * trained / shard, P, "AdamW, 2 x fp32")
+        add("weights", w * s.total / shard, P, "bf16 (lean)" if lean else "fp32 master")
+    # Freed after each optimizer step (train/update.py): held through the update only.
+    grads_note = "bf16" if lean else "fp32"
+    add("gradients", w * trained / shard, "update+", f"{grads_note}, freed after the step")
+    if lean:
+        add("optimizer", 4 * trained / shard, P, "AdamW, 2 x bf16, stochastic rounding")
+        # the step's fp32 slices (rlvr.optim.LEAN_CHUNK): about 7 of them at once
+        add("optimizer step slices", 7 * 4 * min(LEAN_CHUNK, s.total), "update step", "fp32")
+    else:
+        add("optimizer", 8 * trained / shard, P, "AdamW, 2 x fp32")
     if not lora and o.beta > 0:
-        ref = 4 * rest + 2 * matmul if bf16 else 4 * s.total  # a tied head: its own bf16 copy
-        add("reference", ref / shard, P, "frozen copy" + (", bf16 matmuls" if bf16 else ""))
+        if lean:
+            ref, what = 2 * s.total, ", bf16"
+        else:  # a tied head: its own bf16 copy
+            ref, what = (4 * rest + 2 * matmul, ", bf16 matmuls") if bf16 else (4 * s.total, "")
+        add("reference", ref / shard, P, "frozen copy" + what)
     critic = load_shape(cfg.critic.model) if needs_critic and cfg.critic.model else s
     if needs_critic:
         backbone = critic.total - critic.head + critic.hidden + 1
@@ -449,19 +465,19 @@ def _estimate(cfg: RunConfig, s: ModelShape, kind: str, gpus: int, lp: int, how:
     add("activations", activations(s, not plain), "update", f"{mb} rows, {route}")
     if fused:
         head = 2 * 128 * v * 4
-        head += 128 * v * 2 + min(mb * c, 1024) * v * 2 + 2 * vh if bf16 else 0
+        head += 128 * v * 2 + min(mb * c, 1024) * v * 2 + (0 if lean else 2 * vh) if bf16 else 0
         add("logits (fused head)", head, "update", "chunked (128, V) buffers")
     else:
         per = 12 + (8 if o.entropy_coef > 0 else 0) + (12 if needs_teacher else 0)
         add("logits", per * mb * c * v, "update", f"fp32 log-softmax ({mb}, {c}, {v}) x3")
     if not lora:
-        add("head gradient (fresh)", 4 * vh, "update+", "before it is added to .grad")
-    if bf16:  # trained weights' casts are cached; frozen fp32 ones cast per forward call
+        add("head gradient (fresh)", w * vh, "update+", "before it is added to .grad")
+    if bf16 and not lean:  # trained weights' casts are cached; frozen fp32 ones cast per call
         frozen_casts = (0 if base_bf16 else matmul) * (1 if plain else 2)
         casts = frozen_casts if lora else (matmul - (vh if fused else 0)) / shard
         add("autocast bf16 casts", 2 * casts, "update+", "weights cast for matmuls")
     if not plain:
-        add("gradients in flight", 4 * trained / shard, U2, "the completion pass's")
+        add("gradients in flight", w * trained / shard, U2, "the completion pass's")
         per_prompt = s.saved_per_token_layer(bf16, lp) * (s.layers + 1) + 8 * s.hidden
         add("prompt activations", prompts * lp * per_prompt, U2, f"{prompts} x {lp} tokens")
     if needs_critic:
@@ -487,7 +503,7 @@ def _estimate(cfg: RunConfig, s: ModelShape, kind: str, gpus: int, lp: int, how:
         runtime = CPU_RUNTIME_BYTES + (CPU_LORA_RUNTIME_BYTES if lora else 0)
         add("runtime (CPU)", runtime, P, "calibrated: tokenizer, tasks, rollouts")
         update = sum(i.bytes for i in items if i.name.startswith(("activations", "logits")))
-        remade = (0 if lora else 4 * trained) + update + merged
+        remade = (0 if lora else w * trained) + update + merged
         add("allocator slack (CPU)", CPU_SLACK * remade, P, f"calibrated: {CPU_SLACK} x re-made")
 
     persistent = sum(i.bytes for i in items if i.phase == "persistent")

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import (
     Field,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -39,6 +40,16 @@ class ModelConfig(_Section):
         "not timed. Sampling never autocasts (a bf16 sampler is generator.decode: fast with a "
         "bf16 copy).",
     )
+    precision: Literal["mixed", "lean"] = Field(
+        "mixed",
+        description="How a full fine-tune keeps its weights. mixed: fp32 weights, gradients and "
+        "AdamW moments (16 bytes a parameter), matmuls per model.bf16. lean: bf16 weights, "
+        "gradients and AdamW moments (8 bytes a parameter: a 7B full fine-tune fits one 80 GB GPU "
+        "with gradient checkpointing, `rlvr plan`), the optimizer's writes stochastically rounded "
+        "so updates below bf16's resolution still move the weights in expectation "
+        "(rlvr.optim.StochasticRoundingAdamW; torchao's bf16_stochastic_round AdamW; Zamirai et "
+        "al. 2020). Full fine-tuning on one device; LoRA keeps its own precision.",
+    )
     device: str = Field(
         "auto",
         description="Where the policy (and its reference, critic, teacher, reward models) lives: "
@@ -49,6 +60,21 @@ class ModelConfig(_Section):
         description="transformers' attention kernel for the update and HF's sampler: sdpa (PyTorch's "
         "fused attention), eager, or flash_attention_2 (needs the flash-attn package and a GPU).",
     )
+
+    @model_validator(mode="after")
+    def _lean_is_full_bf16(self) -> ModelConfig:
+        if self.precision == "lean":
+            if self.lora.enabled:
+                raise ValueError(
+                    "model.precision: lean is for full fine-tuning (LoRA trains small fp32 adapters "
+                    "and already stores its frozen base in bf16): drop one of them"
+                )
+            if self.bf16 == "off":
+                raise ValueError(
+                    "model.precision: lean computes in bf16 (its weights are bf16): model.bf16: "
+                    "off contradicts it; leave model.bf16 at auto"
+                )
+        return self
 
     @field_validator("device")
     @classmethod

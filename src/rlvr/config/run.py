@@ -261,6 +261,11 @@ class RunConfig(_Section):
                 "rollout.async_rollouts samples on an in-process copy of the policy: use it with "
                 "rollout.mode internal, generator.backend hf and without distributed.ray"
             )
+        if self.model.precision == "lean" and self.distributed.strategy == "fsdp":
+            raise ValueError(
+                "model.precision: lean is for one device (its optimizer is not sharded): use "
+                "distributed.strategy: ddp, or fsdp with model.precision: mixed"
+            )
         if self.distributed.ray and (self.rollout.mode == "external" or gen.other_engine()):
             raise ValueError(
                 "distributed.ray plays episodes with in-process generators: use it with "

@@ -29,7 +29,7 @@ from rich.markup import escape
 
 from rlvr.algorithms.algorithm import Algorithm
 from rlvr.allocator import keep_freed_memory
-from rlvr.build import build_optimizer, build_policy, rollout_limits, use_bf16
+from rlvr.build import build_optimizer, build_policy, rollout_limits, use_bf16, weights_dtype
 from rlvr.config import RunConfig, config_to_dict
 from rlvr.devices import device_of, enable_tf32, resolve_device
 from rlvr.evaluate import evaluate_sources
@@ -166,7 +166,11 @@ def load_run(run: Run, *, overwrite: bool) -> None:
     run.precision = precision_choice.PrecisionChoice(
         use_bf16(cfg.model), f"model.bf16: {cfg.model.bf16}"
     )
-    if cfg.model.bf16 == "auto":
+    if cfg.model.precision == "lean":  # bf16 weights: nothing to choose or time
+        run.precision = precision_choice.PrecisionChoice(
+            True, "model.precision: lean, bf16 weights"
+        )
+    elif cfg.model.bf16 == "auto":
         run.precision = precision_choice.resolve(
             policy.model, cfg.model.name, distributed=dist is not None
         )
@@ -350,7 +354,9 @@ def ensure_reference(
     if cfg.objective.beta > 0 and not policy.lora and policy._reference is None:
         # Loading must not move the run's RNG: a resumed run loads it at another moment.
         with torch.random.fork_rng(devices=[]):
-            reference = load_policy(cfg.model.name, device=device_of(policy.model)).model
+            reference = load_policy(
+                cfg.model.name, device=device_of(policy.model), dtype=weights_dtype(cfg.model)
+            ).model
             policy._reference = reference.eval().requires_grad_(False)
         if dist is not None:
             dist.prepare_model(policy._reference, bf16)
