@@ -71,7 +71,8 @@ efficacy: $(STAMP)
 
 # The GPU check (benchmarks/gpu_check.py, docs/performance.md "GPU") runs on a lent GPU machine with
 # Python 3.12, torch and an older transformers, and no network: the packages rlvr needs beyond its
-# image travel as wheels in .whl/ (git-ignored; ~14 MB). Its docstring has the command to run there.
+# image travel as wheels in .whl/ (git-ignored; its size: docs/performance.md "GPU"). Its docstring has
+# the command to run there (device tool `carry: [".whl"]`).
 GPU_WHEELS := transformers==5.24.0 peft==0.21.2 pydantic==2.14.4 pydantic-core==2.50.5 \
 	annotated-types==0.8.0 typing-inspection==0.4.5
 gpu-wheels:

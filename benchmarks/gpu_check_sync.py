@@ -119,7 +119,17 @@ def sync_runs(clock: Any, device: str, work: Path, model_dir: Path) -> list[dict
         return [{"part": "sync", "name": "weight sync", "ok": None, "skipped": "time budget"}]
     policy = load_policy(str(model_dir), device=device)
     cuda = device.startswith("cuda")
-    rows = _file_rows(policy, work)
+    try:
+        rows = _file_rows(policy, work)
+    except Exception as err:  # recorded; the engine rows still run
+        rows = [
+            {
+                "part": "sync",
+                "name": "file syncs",
+                "ok": False,
+                "error": f"{type(err).__name__}: {err}"[:500],
+            }
+        ]
     have_vllm = importlib.util.find_spec("vllm") is not None
     engines = [
         ("colocated vLLM, in memory", _colocated_row, have_vllm, "vllm is not importable here"),
