@@ -110,3 +110,58 @@ def test_a_checkpointed_run_samples_on_the_fast_path_and_reports_decode_speed(
     # 4 prompts x 8, up to 16 new tokens: up to 15 decode forwards after the prefill per step
     assert all(0 < r["perf/decode_steps"] <= 15 for r in steps)
     assert all(r["perf/decode_ms_per_step"] > 0 for r in steps)
+
+
+def test_bf16_weights_are_read_in_place_by_the_fast_sampler() -> None:
+    """A model whose matmul weights are bf16 already (model.precision: lean, fsdp's bf16 sampling
+    copy) is decoded from its own tensors, not a second bf16 copy, with the logits of the fused
+    copy made from an fp32 model holding the same values."""
+    import copy
+
+    from rlvr.models import TINY_ALIAS, matmul_weights_to_bf16
+    from rlvr.rollout.fast_decode import DecodeWeights, StaticDecode
+
+    fp32 = load_policy(TINY_ALIAS, device="cpu").model.eval().requires_grad_(False)
+    bf16 = copy.deepcopy(fp32)
+    matmul_weights_to_bf16(bf16)
+    with torch.no_grad():  # the fp32 model gets the bf16-rounded values, so both hold the same
+        pairs = zip(fp32.model.layers.modules(), bf16.model.layers.modules(), strict=True)
+        for module, twin in pairs:
+            if isinstance(module, torch.nn.Linear):  # not the head: it is the fp32 embedding
+                module.weight.copy_(twin.weight.float())
+    in_place = DecodeWeights.build(bf16, torch.bfloat16)
+    fused = DecodeWeights.build(fp32, torch.bfloat16)
+    layer, attn = in_place.layers[0], bf16.model.layers[0].self_attn
+    assert layer.qkv[0].data_ptr() == attn.q_proj.weight.data_ptr()  # no copy
+    assert len(fused.layers[0].qkv) == 1 and fused.layers[0].qkv[0].data_ptr() != 0
+    ids = torch.tensor([[5, 6, 7, 8]])
+    mask, positions = torch.ones(1, 4, dtype=torch.long), torch.arange(4)[None]
+    a = StaticDecode(in_place, reserve=1).forward(ids, mask, positions)
+    b = StaticDecode(fused, reserve=1).forward(ids, mask, positions)
+    # the same bf16 products, three matmuls or one fused: equal here (AMD EPYC, avx512_bf16, both
+    # RLVR_AUTO_BF16 ways); a kernel that blocks the fused matmul differently may differ in the
+    # last bf16 bit of a product, hence the tolerance
+    torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_the_fsdp_sampling_copy_fills_its_own_bf16_head(tiny_model_dir: Path) -> None:
+    """fsdp samples from an unsharded copy refreshed after each update; in bf16 its head is a
+    tensor of its own (untied from the fp32 embedding), which the refresh must fill too."""
+    import copy
+
+    from rlvr.models import matmul_weights_to_bf16
+    from rlvr.scale.torch_dist import DistContext
+
+    source = load_policy(str(tiny_model_dir)).model
+    target = copy.deepcopy(source).eval().requires_grad_(False)
+    matmul_weights_to_bf16(target)
+    assert target.lm_head.weight is not target.model.embed_tokens.weight
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(0.5)  # an update
+    context = DistContext(0, 1, 0, "fsdp", torch.device("cpu"))
+    context.copy_full_weights(source, target)
+    head = target.lm_head.weight
+    assert head.dtype == torch.bfloat16
+    assert torch.equal(head, source.model.embed_tokens.weight.detach().bfloat16())
+    assert torch.equal(target.model.embed_tokens.weight, source.model.embed_tokens.weight)

@@ -325,3 +325,43 @@ def test_check_fits_only_warns_on_the_cpu(seven_b: Path, monkeypatch: pytest.Mon
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_fits(_tiny(), torch.device("cpu"))
+
+
+def _gpu_check_shape(tmp_path: Path, shape: str, *sets: str) -> object:
+    """`rlvr plan`'s estimate for gpu_check's shaped rows (benchmarks/gpu_check.py) on 80 GiB."""
+    model = tmp_path / shape
+    model.mkdir(exist_ok=True)
+    shutil.copy(CONFIGS / f"{shape}.json", model / "config.json")
+    row = ["sampling.group_size=8", "sampling.prompts_per_step=4", "sampling.max_new_tokens=128"]
+    row += ["train.micro_batch_size=8", "model.bf16=auto", f"model.name={model}", *sets]
+    return estimate(load_config(EXAMPLES / "tiny.yaml", row), gpu_memory_gb=80)
+
+
+def test_lean_fits_a_7b_full_fine_tune_on_80_gib(tmp_path: Path) -> None:
+    mixed = _gpu_check_shape(tmp_path, "qwen2.5-7b")
+    assert mixed.fits is False  # fp32 masters + AdamW: 16 B/param, 156.5 GiB at this shape
+    assert mixed.advice[0].sets == ["model.precision=lean"]  # the smallest change: still full FT
+    lean = _gpu_check_shape(tmp_path, "qwen2.5-7b", "model.precision=lean")
+    items = {i.name: i for i in lean.items}
+    p = lean.params
+    assert items["weights"].bytes == 2 * p and items["optimizer"].bytes == 4 * p
+    assert items["gradients"].bytes == 2 * p and items["gradients"].phase == "update+"
+    assert "autocast bf16 casts" not in items  # bf16 weights need no cast
+    assert lean.fits and lean.required_bytes < 80 * GiB
+    ckpt = _gpu_check_shape(
+        tmp_path, "qwen2.5-7b", "model.precision=lean", "model.gradient_checkpointing=true"
+    )
+    assert ckpt.required_bytes < 66 * GiB  # the gpu_check row: room for the allocator
+
+
+def test_gradients_are_not_held_through_the_rollout(tmp_path: Path) -> None:
+    """Freed after each optimizer step: the rollout phase holds weights and moments only, and the
+    1.5B shape needs less in the lean mode than fp32 masters do."""
+    plan = _gpu_check_shape(tmp_path, "qwen2.5-1.5b")
+    items = {i.name: i for i in plan.items}
+    persistent = sum(i.bytes for i in plan.items if i.phase == "persistent")
+    assert items["gradients"].phase == "update+"
+    rollout = persistent + sum(i.bytes for i in plan.items if i.phase == "rollout")
+    assert plan.phases["rollout"] == rollout
+    lean = _gpu_check_shape(tmp_path, "qwen2.5-1.5b", "model.precision=lean")
+    assert lean.peak_bytes < 0.6 * plan.peak_bytes  # 16.1 against 32.3 GiB

@@ -440,7 +440,9 @@ def _estimate(cfg: RunConfig, s: ModelShape, kind: str, gpus: int, lp: int, how:
         add("critic", critic_bytes / shard, P, "+ grads, AdamW")  # sharded like the policy
     if needs_teacher and cfg.distill.teacher:
         add("teacher", 4 * load_shape(cfg.distill.teacher).total / shard, P, "frozen, fp32")
-    if cfg.rollout.async_rollouts or (fsdp and path != "none"):
+    if fsdp and path != "none" and copy_bf16:  # matmul weights bf16, read by the fast path as is
+        add("sampling copy", 4 * rest + 2 * matmul, P, "fsdp's unsharded, bf16 matmuls")
+    elif cfg.rollout.async_rollouts or (fsdp and path != "none"):
         add("sampling copy", 4 * s.total, P, "async producer's / fsdp's unsharded fp32")
     if fsdp:
         add("gathered layers (fsdp)", 8 * s.layer_params, "update+", "two layers unsharded")
@@ -498,6 +500,8 @@ def _estimate(cfg: RunConfig, s: ModelShape, kind: str, gpus: int, lp: int, how:
         add(f"KV cache ({phase})", kv, phase, f"{n_rows} rows x {lp + new} tokens")
         add(f"sampler logits ({phase})", n_rows * v * (20 if kind == "cpu" else 4), phase)
         weights, what = (2 * matmul, "bf16 copy") if copy_bf16 else (merged, "LoRA merged, fp32")
+        if copy_bf16 and (lean or fsdp):  # its weights are bf16 already: read in place
+            weights = 0
         add(f"sampler weights ({phase})", weights, phase, what)
     if kind == "cpu":
         runtime = CPU_RUNTIME_BYTES + (CPU_LORA_RUNTIME_BYTES if lora else 0)
@@ -554,7 +558,8 @@ def with_sets(cfg: RunConfig, sets: list[str]) -> RunConfig:
 
 def _advise(cfg: RunConfig, s: ModelShape, plan: MemoryPlan) -> list[Advice]:
     """Each change alone, in order, each re-estimated: a smaller micro-batch; gradient
-    checkpointing, the fused head, LoRA (each with the largest micro-batch that then fits); fsdp
+    checkpointing, the fused head, the lean precision, LoRA (each with the largest micro-batch
+    that then fits); fsdp
     over the fewest GPUs that fit. All that fit are returned, the first being the smallest change.
     None alone: the changes stacked in that order."""
     kind, gpus, avail = plan.device, plan.gpus, plan.available_bytes or 0
@@ -587,9 +592,14 @@ def _advise(cfg: RunConfig, s: ModelShape, plan: MemoryPlan) -> list[Advice]:
     levers = [] if cfg.model.gradient_checkpointing else [["model.gradient_checkpointing=true"]]
     if not plan.assumptions["fused_head"] and plan.strategy != "fsdp":
         levers.append(["train.fused_logprobs=true"])
-    if not cfg.model.lora.enabled:
-        levers.append(["model.lora.enabled=true"])
+    if not cfg.model.lora.enabled and cfg.model.precision != "lean":
+        levers.append(["model.precision=lean"])  # still full fine-tuning: bf16 weights and moments
+    if not cfg.model.lora.enabled:  # a lean run's LoRA keeps fp32 adapters
+        mixed = ["model.precision=mixed"] if cfg.model.precision == "lean" else []
+        levers.append(["model.lora.enabled=true", *mixed])
     fsdp = [] if cfg.distributed.strategy == "fsdp" else ["distributed.strategy=fsdp"]
+    if fsdp and cfg.model.precision == "lean":  # lean is for one device: fsdp shards fp32 instead
+        fsdp.append("model.precision=mixed")
     more = [n for n in (2, 4, 8, 16, 32, 64) if n > gpus]
     found = []
     for sets in [[], *levers]:
@@ -602,7 +612,10 @@ def _advise(cfg: RunConfig, s: ModelShape, plan: MemoryPlan) -> list[Advice]:
     if found:
         return found
     stacked: list[str] = []
+    lean = "model.precision=lean"  # for one device's full fine-tune: LoRA or fsdp replace it
     for sets, n in [*[(x, gpus) for x in levers], *[(fsdp, n) for n in more]]:
+        if lean in stacked and lean not in sets:
+            stacked.remove(lean)
         stacked += [x for x in sets if x not in stacked]
         if (smaller := micro(stacked, n)) is not None:
             return [advice([*stacked, *smaller], n)]

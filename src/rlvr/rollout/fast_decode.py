@@ -135,7 +135,7 @@ class DecodeWeights:
     """The decode path's copy of a model's weights (module docstring), with the shapes it needs."""
 
     layers: list[LayerWeights]
-    embed: torch.Tensor  # (vocab, hidden) float32: a lookup reads only the rows it needs
+    embed: torch.Tensor  # (vocab, hidden) the model's own: a lookup reads (and casts) its rows
     final_norm: torch.Tensor
     head: torch.Tensor  # (vocab, hidden)
     inv_freq: torch.Tensor  # (head_dim / 2,) float32, the model's own RoPE frequencies
@@ -169,10 +169,12 @@ class DecodeWeights:
             weights = [p[0] for p in pairs if p is not None]
             biases = [p[1] for p in pairs if p is not None]
             assert len(weights) == len(modules), "decline_reason should have refused this model"
-            # float32: the policy's own tensors (no copy; a LoRA layer's merged matrix is new);
-            # bfloat16: one fused copy.
-            if dtype == torch.float32:
-                parts = tuple(w.float().contiguous() for w in weights)
+            # The policy's own tensors where they are in `dtype` already (float32 weights for a
+            # float32 path; bf16 weights of model.precision: lean or fsdp's bf16 sampling copy):
+            # no copy (a LoRA layer's merged matrix is new). Else (bf16 from float32): one fused
+            # copy.
+            if dtype == torch.float32 or all(w.dtype == dtype for w in weights):
+                parts = tuple(w.to(dtype).contiguous() for w in weights)
             else:
                 fused = weights[0] if len(weights) == 1 else torch.cat(weights)
                 parts = (fused.to(dtype).contiguous(),)
@@ -222,7 +224,7 @@ class DecodeWeights:
         rotary = inner.model.rotary_emb
         return cls(
             layers=layers,
-            embed=inner.model.embed_tokens.weight.detach().float(),
+            embed=inner.model.embed_tokens.weight.detach(),  # rows cast as they are looked up
             final_norm=vector(inner.model.norm),
             head=head,
             inv_freq=rotary.inv_freq.detach().float(),
@@ -370,7 +372,7 @@ class StaticDecode:
         )
         cos, sin = self._rope(positions_B_T, columns)
 
-        x = w.embed[input_ids_B_T]  # (B, T, hidden) float32: the residual stream
+        x = w.embed[input_ids_B_T].float()  # (B, T, hidden) float32: the residual stream
         for index, lw in enumerate(w.layers):
             h = _rms_norm(x, lw.attn_norm, w.eps)
             qkv = _linear_parts(h, lw.qkv, lw.qkv_bias)

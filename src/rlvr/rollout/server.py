@@ -44,6 +44,7 @@ backend turns it on.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -68,7 +69,7 @@ from rlvr.models import Policy, eos_token_ids, resolve_model_path
 from rlvr.observe.watchdog import watch
 from rlvr.rollout.endpoints import API_KEY_ENV, free_port
 from rlvr.rollout.generator import Completion, SamplingParams
-from rlvr.rollout.weight_files import write_shards
+from rlvr.rollout.weight_files import Deferred, Weight, write_shards
 
 MASK64 = (1 << 64) - 1
 # A request whose connection broke before an answer came is sent once more (`_send`). vLLM's uvicorn
@@ -442,28 +443,37 @@ def save_full(
     write_tied_head(base, folder, head, dtype=dtype)
 
 
-def _merged_state(policy: Policy) -> dict[str, torch.Tensor]:
-    """The policy's weights under the base model's names: a LoRA policy's adapted layers merged."""
+def _merged_state(policy: Policy) -> dict[str, Weight]:
+    """The policy's weights under the base model's names: a LoRA policy's adapted layers merged,
+    each made only when it is written (`Deferred`: one merged matrix alive at a time)."""
     model = policy.model
     if not policy.lora:
         return dict(model.state_dict())
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     base = model.get_base_model()
-    merged: dict[str, torch.Tensor] = {}
+    merged: dict[str, Weight] = {}
     for name, module in base.named_modules():
         layer = module.get_base_layer() if isinstance(module, LoraLinear) else None
         if isinstance(layer, torch.nn.Linear) and not module.disable_adapters:
             weight = layer.weight
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A:
-                    weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
-            merged[f"{name}.base_layer.weight"] = weight
+            merged[f"{name}.base_layer.weight"] = Deferred(
+                weight.shape, weight.dtype, functools.partial(merged_weight, module, weight)
+            )
     return {
         key.replace(".base_layer", ""): merged.get(key, tensor)
         for key, tensor in base.state_dict().items()
         if "lora_" not in key
     }
+
+
+@torch.no_grad()
+def merged_weight(module: Any, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` + scale * B @ A for each active adapter of the LoRA layer `module` (a new tensor)."""
+    for adapter in module.active_adapters:
+        if adapter in module.lora_A:
+            weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+    return weight
 
 
 def tied_head_name(model: Any) -> str | None:

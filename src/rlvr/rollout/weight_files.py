@@ -11,8 +11,9 @@ dtype, shape and byte range, then the bytes. This module writes that format dire
 from __future__ import annotations
 
 import json
+import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -32,15 +33,37 @@ _NAMES = {
 }
 
 
+class Deferred:
+    """A tensor made only when its bytes are read (`detach()`): a LoRA layer's merged weight. Its
+    shape and dtype are known ahead, so a shard's header is written before any is made, and each
+    is dropped after its write: the host never holds every merged matrix at once (~26 GB for a 7B
+    all-linear adapter on an fp32 base)."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, make: Callable[[], torch.Tensor]):
+        self.shape, self.dtype, self.make = shape, dtype, make
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def detach(self) -> torch.Tensor:
+        return self.make().detach()
+
+
+Weight = torch.Tensor | Deferred
+
+
 def write_shards(
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, Weight]],
     folder: Path,
     dtype: torch.dtype,
     shard_bytes: int = 2**30,
 ) -> list[Path]:
     """(name, tensor) pairs into `model-0000k.safetensors` files of about `shard_bytes` each, every
     floating tensor written in `dtype` (integer and bool buffers as they are). Returns the files."""
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    shards: list[list[tuple[str, Weight]]] = [[]]
     size = 0
     for name, tensor in tensors:
         out_dtype = dtype if tensor.is_floating_point() else tensor.dtype
@@ -77,7 +100,7 @@ class _Scratch:
 
 def write_safetensors(
     path: Path,
-    tensors: list[tuple[str, torch.Tensor]],
+    tensors: list[tuple[str, Weight]],
     dtype: torch.dtype,
     scratch: _Scratch | None = None,
 ) -> None:

@@ -214,11 +214,13 @@ class DistContext:
         missing = [name for name in source.state_dict() if name not in params]
         if missing:
             raise KeyError(f"fsdp sampling copy: no parameter {missing[0]!r}")
-        done: set[int] = set()  # a tied tensor is gathered once
+        # Each target tensor is filled once: a tied head once, an untied one (the bf16 sampling
+        # copy's own head, models.matmul_weights_to_bf16) under its own name; copy_ casts.
+        done: set[int] = set()
         for name, tensor in source.state_dict().items():
-            if id(tensor) in done:
+            if id(params[name]) in done:
                 continue
-            done.add(id(tensor))
+            done.add(id(params[name]))
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             params[name].copy_(full)
             del full

@@ -87,6 +87,9 @@ class RolloutPlan:
             # Sharded weights cannot sample (every forward would be a collective in lock-step across
             # ranks of unequal decode lengths): generate from a full copy refreshed after each update.
             self.copy_model = copy.deepcopy(policy.model).eval().requires_grad_(False)
+            options = decode_options(cfg)
+            if options["decode"] == "fast" and options["decode_dtype"] == torch.bfloat16:
+                matmul_weights_to_bf16(self.copy_model)  # the fast path then reads them as they are
             self.generator = self._hf(self.copy_model, seed)
         else:
             self.generator = self._hf(policy.model, seed)
