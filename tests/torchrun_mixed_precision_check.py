@@ -34,14 +34,21 @@ def run(model_dir: str, dist: DistContext | None) -> dict[str, object]:
     layer = decoder_layers(policy.model)[0]
     linear = next(m for m in layer.modules() if isinstance(m, torch.nn.Linear))
     hook = linear.register_forward_pre_hook(lambda m, _args: seen.add(str(m.weight.dtype)))
+    params = list(policy.model.parameters())
+    grad_dtypes: set[str] = set()  # read as the optimizer steps: the update frees them after
+
+    def record_grads(*_: object) -> None:
+        grad_dtypes.update(str(p.grad.dtype) for p in params if p.grad is not None)
+
+    step_hook = optimizer.register_step_pre_hook(record_grads)
     trajectories, advantages = check.fixed_batch(one_token=False)
     metrics = policy_update(policy, optimizer, trajectories, advantages, cfg, dist=dist)
     hook.remove()
-    params = list(policy.model.parameters())
+    step_hook.remove()
     return {
         "forward_weight_dtypes": sorted(seen),
         "shard_dtypes": sorted({str(p.dtype) for p in params}),
-        "grad_dtypes": sorted({str(p.grad.dtype) for p in params if p.grad is not None}),
+        "grad_dtypes": sorted(grad_dtypes),
         "metrics": metrics,
     }
 

@@ -22,6 +22,7 @@ WALL_CLOCK_METRICS = frozenset(
         "update_time",
         "tokens_per_second",
         "perf/update_gflops_per_s",
+        "perf/decode_ms_per_step",
         "perf/precision",  # model.bf16: auto measures the host
     }
 )
