@@ -78,6 +78,51 @@ def test_greedy_tokens_on_the_gpu_equal_the_cpu(tiny_model_dir: Path, decode: st
             assert max(abs(a - b) for a, b in zip(cpu.logprobs, gpu.logprobs, strict=True)) < 1e-4
 
 
+def test_cuda_graph_decode_samples_what_the_eager_steps_do(tiny_model_dir: Path) -> None:
+    """generator.cuda_graphs: the decode steps captured per row bucket and replayed
+    (rollout/decode_graphs.py) give the eager fast path's tokens and log-probs, rows leaving at
+    EOS on the way (n=4 samples at temperature 1, the same seed), graphs captured and replayed.
+    fp32 without TF32: the two differ only in the columns attended over (masked zeros)."""
+    from rlvr.models import eos_token_ids, load_policy
+    from rlvr.rollout.generator import SamplingParams
+    from rlvr.rollout.hf import HFGenerator
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    policy = load_policy(str(tiny_model_dir), device="cuda")
+    eos = eos_token_ids(policy.model, policy.tokenizer) | {12, 17}  # rows finish at varied steps
+    prompts = [[2, 10, 11, 12, 13], [2, 20, 21], [2, 30, 31, 32, 33, 34, 35]]
+    sampling = SamplingParams(n=4, temperature=1.0, max_new_tokens=24)
+    replays: list[int] = []
+    real = torch.cuda.CUDAGraph.replay
+
+    def counted(graph: torch.cuda.CUDAGraph) -> None:
+        replays.append(1)
+        real(graph)
+
+    outputs = []
+    for graphs in (False, True):
+        generator = HFGenerator(
+            policy.model, policy.tokenizer, eos, seed=5, autocast_bf16=False, decode="fast",
+            decode_dtype=torch.float32, cuda_graphs=graphs,
+        )  # fmt: skip
+        torch.cuda.CUDAGraph.replay = counted  # type: ignore[method-assign]
+        try:
+            outputs.append(generator.generate(prompts, sampling))
+        finally:
+            torch.cuda.CUDAGraph.replay = real  # type: ignore[method-assign]
+        assert generator._fast is not None
+        assert generator._fast.step_mode == ("graph" if graphs else "eager")
+    assert replays, "no graph was replayed"
+    lengths = set()
+    for eager_group, graph_group in zip(*outputs, strict=True):
+        for eager, graph in zip(eager_group, graph_group, strict=True):
+            assert eager.token_ids == graph.token_ids
+            gaps = [abs(a - b) for a, b in zip(eager.logprobs, graph.logprobs, strict=True)]
+            assert max(gaps) < 1e-4
+            lengths.add(len(eager.token_ids))
+    assert len(lengths) > 1  # rows left the batch at different steps
+
+
 @pytest.mark.parametrize(
     "algorithm", ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo"]
 )

@@ -461,3 +461,38 @@ def test_the_update_runs_without_the_samplers_weight_copy(
     loop.train(cfg, config_dir=tiny_config_dir)
     assert live_at_update == [0, 0, 0]
     assert len(builds) == 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fixed_shape_steps_sample_what_the_eager_steps_do(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA graph's body (rollout/decode_graphs.py) run eagerly, step_mode "static": every
+    step over the cache's whole capacity, rows in power-of-two buckets with the finished ones
+    computed and ignored, keys written at a column held on the device. It samples the eager
+    step's tokens with its log-probs to float rounding, rows leaving at stop strings on the way.
+    What only a GPU adds, the capture and the replays, is tests/test_cuda.py's."""
+    from rlvr.rollout import decode_graphs
+
+    model = tiny_model(kind)
+    sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=16, stop=STOPS)
+    eager = make_gen(model, "fast").generate(PROMPTS, sampling)
+    build, buckets = DecodeWeights.build.__func__, []  # type: ignore[attr-defined]
+    step = decode_graphs.StaticSteps.step
+
+    def static_build(cls: Any, m: Any, dtype: torch.dtype = torch.float32, **_: Any) -> Any:
+        return build(cls, m, dtype, step_mode="static")
+
+    def spied(self: Any, ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        buckets.append((ids.shape[0], self.kv.shape[2]))
+        return step(self, ids, *args)
+
+    monkeypatch.setattr(DecodeWeights, "build", classmethod(static_build))
+    monkeypatch.setattr(decode_graphs.StaticSteps, "step", spied)
+    generator = make_gen(model, "fast")
+    static = generator.generate(PROMPTS, sampling)
+    assert generator._fast is not None and generator._fast.step_mode == "static"
+    assert_same(static, eager, tol=1e-5)
+    rows_seen = {rows for rows, _ in buckets}
+    assert len(rows_seen) > 2  # rows left the batch: several buckets were run
+    assert any(rows & (rows - 1) for rows in rows_seen)  # and not only powers of two

@@ -89,6 +89,7 @@ def build_generator(policy: Policy, cfg: RunConfig) -> HFGenerator:
         autocast_bf16=False,
         turn_cache=cfg.generator.turn_cache,
         turn_cache_mb=cfg.generator.turn_cache_mb,
+        cuda_graphs=cfg.generator.cuda_graphs,
         **decode_options(cfg),
     )
 

@@ -242,6 +242,12 @@ class GeneratorConfig(_Section):
         "models (rollout/fast_decode.py); auto = fast exactly when it samples from a bf16 copy "
         "(decode_dtype), else hf.",
     )
+    cuda_graphs: bool = Field(
+        False,
+        description="decode: fast on a CUDA device: run each decode step as a CUDA graph "
+        "replayed per row bucket (fixed shapes, one launch instead of ~2,000 small kernels; "
+        "rollout/decode_graphs.py). Off until a GPU run has measured it; ignored on a CPU.",
+    )
     decode_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="decode: fast, the weights' dtype: a bfloat16 copy (fused QKV and gate/up) "

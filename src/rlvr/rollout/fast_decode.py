@@ -37,8 +37,8 @@ the store when the copy's dtype or the forward changes (`HFGenerator._turn_key`)
 
 `decline_reason(model)` says why a model cannot take this path (another architecture, a sliding
 window, a dynamic RoPE, a LoRA variant, forward hooks); HFGenerator then uses HF's. Not here (yet):
-torch.compile (without `freezing` it gained nothing on CPU, docs/performance.md; the forward takes
-the weights as inputs so it could be compiled without baking them in).
+torch.compile (without `freezing` it gained nothing on CPU, docs/performance.md). On CUDA a decode
+step can be replayed as a CUDA graph (`generator.cuda_graphs`, rollout/decode_graphs.py).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rlvr.rollout.decode_graphs import StaticSteps
 from rlvr.rollout.fastlinear import mergeable, merged_linear
 from rlvr.rollout.turn_cache import Entry, left_padded_mask, real_columns
 
@@ -145,6 +146,10 @@ class DecodeWeights:
     head_dim: int
     eps: float
     dtype: torch.dtype
+    # How a decode step (one new column) runs: "eager" (below), "static" (fixed shapes per row
+    # bucket, eagerly: the CPU test of the graph's body) or "graph" (that body captured as a CUDA
+    # graph per bucket and replayed: rollout/decode_graphs.py). Prefills are always eager.
+    step_mode: str = "eager"
 
     @property
     def bytes_per_step(self) -> int:
@@ -157,9 +162,12 @@ class DecodeWeights:
 
     @classmethod
     @torch.no_grad()
-    def build(cls, model: Any, dtype: torch.dtype = torch.float32) -> DecodeWeights:
+    def build(
+        cls, model: Any, dtype: torch.dtype = torch.float32, step_mode: str = "eager"
+    ) -> DecodeWeights:
         """Copy `model`'s current weights (LoRA merged) for decoding in `dtype` (float32 or
-        bfloat16). The caller checked `decline_reason(model) is None`."""
+        bfloat16), its decode steps run as `step_mode` says. The caller checked
+        `decline_reason(model) is None`."""
         inner = _inner(model)
         config = inner.config
         first = inner.model.layers[0].self_attn
@@ -234,6 +242,7 @@ class DecodeWeights:
             head_dim=first.head_dim,
             eps=float(inner.model.norm.variance_epsilon),
             dtype=dtype,
+            step_mode=step_mode,
         )
 
 
@@ -297,6 +306,7 @@ class StaticDecode:
             0, device=device
         )  # (positions, head_dim) RoPE tables, grown on demand
         self._sin = torch.empty(0, device=device)
+        self._steps: StaticSteps | None = None  # fixed-shape decode steps (step_mode != "eager")
 
     def _ensure(self, rows: int, columns: int) -> torch.Tensor:
         """The cache with room for `columns` columns of `rows` rows (reallocated at a prefill that
@@ -351,9 +361,10 @@ class StaticDecode:
         columns = attention_B_C.shape[1]
         start = columns - new
         assert start == self.length, (start, self.length)
+        if new == 1 and w.step_mode != "eager":  # a decode step at fixed shapes (CUDA graphs)
+            return self._static_steps().step(input_ids_B_T, attention_B_C, positions_B_T)
         kv = self._ensure(rows, columns)
         groups = w.heads // w.kv_heads
-        q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
 
         # A query sees the real columns up to its own, and always itself: a padding query with no
         # real column before it would otherwise get an all-masked row (NaN), and its NaN keys and
@@ -372,7 +383,32 @@ class StaticDecode:
         )
         cos, sin = self._rope(positions_B_T, columns)
 
+        def write(index: int, k_B_K_T_D: torch.Tensor, v_B_K_T_D: torch.Tensor) -> None:
+            kv[index, 0, :rows, :, start:columns] = k_B_K_T_D
+            kv[index, 1, :rows, :, start:columns] = v_B_K_T_D
+
         x = w.embed[input_ids_B_T].float()  # (B, T, hidden) float32: the residual stream
+        logits = self._layers(x, cos, sin, mask, write, kv[:, :, :rows, :, :columns])
+        self.length = columns
+        return logits
+
+    def _layers(
+        self,
+        x_B_T_H: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        write: Any,
+        kv_view: torch.Tensor,
+    ) -> torch.Tensor:
+        """The decoder layers over T new columns of B rows, then the head on the last column:
+        `write(layer, k, v)` stores the new keys and values ((B, kv_heads, T, head_dim)) in the
+        cache, whose columns the queries then attend over as `kv_view` ((layers, 2, B, kv_heads,
+        columns, head_dim)) under `mask` ((B, 1, groups * T, columns), True = may attend)."""
+        w, x = self.w, x_B_T_H
+        rows, new = x.shape[:2]
+        groups = w.heads // w.kv_heads
+        q_size, kv_size = w.heads * w.head_dim, w.kv_heads * w.head_dim
         for index, lw in enumerate(w.layers):
             h = _rms_norm(x, lw.attn_norm, w.eps)
             qkv = _linear_parts(h, lw.qkv, lw.qkv_bias)
@@ -383,18 +419,17 @@ class StaticDecode:
                 q = _rms_norm(q, lw.q_norm, w.eps)
                 k = _rms_norm(k, lw.k_norm, w.eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            kv[index, 0, :rows, :, start:columns] = k.transpose(1, 2)
-            kv[index, 1, :rows, :, start:columns] = v.transpose(1, 2)
+            write(index, k.transpose(1, 2), v.transpose(1, 2))
             q_grouped = (
                 q.transpose(1, 2)
                 .reshape(rows, w.kv_heads, groups, new, w.head_dim)
                 .reshape(rows, w.kv_heads, groups * new, w.head_dim)
-                .to(kv.dtype)
+                .to(kv_view.dtype)
             )
             attended = F.scaled_dot_product_attention(
                 q_grouped,
-                kv[index, 0, :rows, :, :columns],
-                kv[index, 1, :rows, :, :columns],
+                kv_view[index, 0],
+                kv_view[index, 1],
                 attn_mask=mask,
                 scale=w.head_dim**-0.5,
             )  # (B, kv_heads, groups * T, head_dim)
@@ -408,9 +443,14 @@ class StaticDecode:
             gate_up = _linear_parts(h, lw.gate_up, lw.gate_up_bias)
             gate, up = gate_up.chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, lw.down, lw.down_bias)
-        self.length = columns
         last = _rms_norm(x[:, -1], w.final_norm, w.eps)
         return _linear(last, w.head, None)
+
+    def _static_steps(self) -> StaticSteps:
+        """This cache's fixed-shape decode steps, made anew when the cache was reallocated."""
+        if self._steps is None or not self._steps.serves(self):
+            self._steps = StaticSteps(self, graphs=self.w.step_mode == "graph")
+        return self._steps
 
     def repeat_interleave(self, n: int) -> None:
         """Each row becomes n consecutive rows (a prompt's n samples share its prefill)."""

@@ -153,6 +153,7 @@ class HFGenerator:
         turn_cache_mb: float | Literal["auto"] = "auto",
         decode: Literal["hf", "fast"] = "hf",
         decode_dtype: torch.dtype | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -174,6 +175,7 @@ class HFGenerator:
         self._kept: list[tuple[tuple[int, ...], Entry]] = []
         self.decode = decode
         self.decode_dtype = decode_dtype or (torch.bfloat16 if autocast_bf16 else torch.float32)
+        self.cuda_graphs = cuda_graphs  # the fast path's decode steps as CUDA graphs, on CUDA
         self.fast_decode_declined: str | None = None  # why the fast path is not taken
         self._fast: DecodeWeights | None = None  # the fast path's weights for this call
         self._fast_weights: DecodeWeights | None = None
@@ -254,7 +256,10 @@ class HFGenerator:
         key = (weights_fingerprint(self.model), lora_state(self.model))
         if self._fast_key != key:
             self._fast = self._fast_weights = None  # the old copy goes before the new one is built
-            self._fast_weights = DecodeWeights.build(self.model, self.decode_dtype)
+            graphs = self.cuda_graphs and device_of(self.model).type == "cuda"
+            self._fast_weights = DecodeWeights.build(
+                self.model, self.decode_dtype, step_mode="graph" if graphs else "eager"
+            )
             self._fast_key = key
         return self._fast_weights
 

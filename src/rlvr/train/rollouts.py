@@ -124,6 +124,7 @@ class RolloutPlan:
             merge_lora=device_of(model).type == "cpu",
             turn_cache=self.cfg.generator.turn_cache,
             turn_cache_mb=self.cfg.generator.turn_cache_mb,
+            cuda_graphs=self.cfg.generator.cuda_graphs,
             **decode_options(self.cfg),
         )
 
