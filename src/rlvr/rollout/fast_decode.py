@@ -1,8 +1,8 @@
 """rlvr's own decode path for Llama (SmolLM2) and Qwen2/Qwen3: a plain-torch forward over a static
 KV cache, instead of HF's layer code.
 
-Over the 500-line guide by a few lines: the weight copy and the static cache it feeds are one unit;
-split when it grows.
+Over the 500-line guide (~550): the weight copy, the static cache it feeds and the layer loop over
+it are one unit (the fixed-shape step for CUDA graphs lives apart, in decode_graphs.py).
 
 Why: HF's layers issue ~1200 small ops per decode step (SmolLM2, 30 layers: a DynamicCache that
 grows by `cat`, a mask rebuilt each step, GQA by copying K/V), so at 16 rows a step took ~2.5x its
