@@ -77,6 +77,7 @@ class RolloutPlan:
         self.ray: Any = None
         self.async_: Any = None
         self.copy_model: Any = None  # fsdp: an unsharded copy that samples
+        self.copy_bf16 = False  # its matmul weights in bf16: checkpoints gather fp32 from shards
         self.canary_gaps: list[float] = []  # since the last metrics(): sync/canary_logprob_abs_diff
         seed = cfg.train.seed + (1000 * dist.rank if dist is not None else 0)
         if cfg.generator.backend == "server":
@@ -90,6 +91,7 @@ class RolloutPlan:
             options = decode_options(cfg)
             if options["decode"] == "fast" and options["decode_dtype"] == torch.bfloat16:
                 matmul_weights_to_bf16(self.copy_model)  # the fast path then reads them as they are
+                self.copy_bf16 = True
             self.generator = self._hf(self.copy_model, seed)
         else:
             self.generator = self._hf(policy.model, seed)

@@ -319,12 +319,14 @@ def save(run: Run, step: int) -> None:
     """A checkpoint of `step` (every rank takes part: its RNGs, and under fsdp its optimizer shard)."""
     cfg, dist, plan = run.cfg, run.dist, run.plan
     plan.before_save()  # async: producer idle; fsdp: full weights gathered (collective)
-    # fsdp without a sampling copy (a server samples): gather the weights here (collective)
-    gather = dist is not None and dist.fsdp and plan.copy_model is None
+    # fsdp without an fp32 sampling copy (a server samples, or the copy is bf16): gather the
+    # weights here (collective), so a checkpoint holds the fp32 masters
+    copy = plan.copy_model if plan.copy_model is not None and not plan.copy_bf16 else None
+    gather = dist is not None and dist.fsdp and copy is None
     save_checkpoint(
         run.run_dir,
         step,
-        model=plan.copy_model if plan.copy_model is not None else run.policy.model,
+        model=copy if copy is not None else run.policy.model,
         model_state=dist.full_state_dict(run.policy.model, keep=run.is_main) if gather else None,
         tokenizer=run.policy.tokenizer,
         optimizer=run.optimizer,
