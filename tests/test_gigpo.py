@@ -369,6 +369,13 @@ class UnkeyedWalk(Walk):
     keyed = False
 
 
+class StartKeyedWalk(Walk):
+    """Walk whose reset names its opening state too (EnvReset.state_key = position 0)."""
+
+    def reset(self) -> EnvReset:
+        return EnvReset([dict(m) for m in self.task.messages], state_key=self.pos)
+
+
 class WalkGenerator:
     """First turn: sample j says FIRST[j]. Later turns: an answer chosen by the observation."""
 
@@ -458,3 +465,24 @@ def test_without_a_state_key_the_observation_text_is_the_state() -> None:
     assert firsts == approx([1.125, -0.375, -0.375, -0.375])
     assert credit.metrics["credit/anchor_group_size_mean"] == 1.0
     assert credit.metrics["credit/anchor_groups_informative_frac"] == 0.0
+
+
+def test_a_return_to_the_start_joins_the_first_turns_anchor_group() -> None:
+    """The opening state keyed like every later one (EnvReset.state_key): j3 says S and acts again
+    from position 0, the start, so its second turn joins the four first turns' anchor group (with
+    the prompt as turn 0's key it never could: ("prompt", ids) != ("env", 0), issue 62)."""
+    trajs = walk(StartKeyedWalk)
+    assert [t.info["initial_state_key"] for t in trajs] == [0, 0, 0, 0]
+    assert turn_state_keys(trajs[3]) == [("env", 0), ("env", 0)]
+    # Episode advantages as above: [0.75, -0.25, -0.25, -0.25]. Anchor group at 0: the four first
+    # turns (returns 1, 0, 0, 0) and j3's second (0): mean 0.2 -> 0.8, -0.2 x 4. At 1: j0 and j1's
+    # second turns, returns 1 and 0 -> +-0.5; j2's second (at -1) alone -> 0. omega 0.5:
+    # j0 (0.75 + 0.4, 0.75 + 0.25), j1 (-0.25 - 0.1, -0.25 - 0.25), j2 (-0.35, -0.25),
+    # j3 (-0.35, -0.25 - 0.1)
+    credit = assign_credit(trajs, gigpo_config("objective.gamma=1.0"), "grpo")
+    expected = [(1.15, 1.0), (-0.35, -0.5), (-0.35, -0.25), (-0.35, -0.35)]
+    for t, adv, values in zip(trajs, credit.token_advantages, expected, strict=True):
+        for span, value in zip(t.turns, values, strict=True):
+            assert adv[span.start - t.prompt_length : span.end - t.prompt_length] == approx(
+                [value] * (span.end - span.start)
+            )

@@ -92,8 +92,11 @@ def token_advantages(
 def turn_state_keys(trajectory: Trajectory) -> list[Hashable]:
     """The state each turn acted from, as a hashable key; one per turn (`Trajectory.turns`).
 
-    - Turn 0: the prompt's token ids (all G episodes of a task share them, so the first turns of a
-      group form one anchor group; an env whose reset varies per episode splits them honestly).
+    - Turn 0: the env's key of its opening state where the reset gave one (`info
+      ["initial_state_key"]`, EnvReset.state_key), so a later return to the start joins the first
+      turns' anchor group; else the prompt's token ids (all G episodes of a task share them, so the
+      first turns of a group form one anchor group; an env whose reset varies per episode splits
+      them honestly).
     - Turn k >= 1: the env's own key when its step before turn k put `info["state_key"]` (recorded by
       the engine in `info["state_keys"]`, one per step, None where absent); otherwise the exact
       observation messages the policy saw before turn k (every field of every non-assistant message
@@ -109,7 +112,9 @@ def turn_state_keys(trajectory: Trajectory) -> list[Hashable]:
     n = len(trajectory.turns)
     if n == 0:
         return []
-    keys: list[Hashable] = [("prompt", trajectory.token_ids[: trajectory.prompt_length])]
+    initial = trajectory.info.get("initial_state_key")
+    first = ("prompt", trajectory.token_ids[: trajectory.prompt_length])
+    keys: list[Hashable] = [first if initial is None else ("env", initial)]
     observations: list[tuple[tuple[tuple[str, str], ...], ...]] = []
     current: list[tuple[tuple[str, str], ...]] | None = None
     assistants = 0

@@ -38,10 +38,13 @@ Message = dict[str, Any]
 
 @dataclass(frozen=True)
 class EnvReset:
-    """The opening conversation: chat messages and (for tool use) JSON tool schemas."""
+    """The opening conversation: chat messages and (for tool use) JSON tool schemas. `state_key`:
+    optionally the opening state's key, of the kind `EnvStep.info["state_key"]` gives (GiGPO then
+    puts a group's first turns in one anchor group with any later return to that state)."""
 
     messages: list[Message]
     tools: list[dict[str, Any]] = field(default_factory=list)
+    state_key: Any = None
 
 
 STATE_KEY = "state_key"

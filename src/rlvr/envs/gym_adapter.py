@@ -179,7 +179,8 @@ class GymEnv(Env):
 
     def reset(self) -> EnvReset:
         self.start()
-        return EnvReset(messages=[dict(m) for m in self.task.messages])
+        messages = [dict(m) for m in self.task.messages]
+        return EnvReset(messages=messages, state_key=self.state_key(self.observation))
 
     def parse(self, text: str) -> tuple[Any, str]:
         """(action, "") or (None, what was wrong)."""

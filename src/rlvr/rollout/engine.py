@@ -107,6 +107,7 @@ class _Episode:
     messages: list[dict[str, Any]] = field(default_factory=list)
     info: dict[str, float] = field(default_factory=dict)
     state_keys: list[Any] = field(default_factory=list)  # env's `state_key` per step (GiGPO)
+    initial_state_key: Any = None  # the reset's (EnvReset.state_key)
     history_starts: list[int] = field(default_factory=list)  # window: each turn's (Trajectory)
     last_text: str = ""
     finish: FinishReason | None = None
@@ -157,6 +158,7 @@ def _start(
         failed.error = f"reset failed: {type(exc).__name__}: {exc}"[:500]
         return failed
     ids = render_prompt_ids(tokenizer, opening.messages, opening.tools, tool_format)
+    hash(opening.state_key)  # an unhashable key is the env's error, not a crash of the credit
     return _Episode(
         task=task,
         env=env,
@@ -165,6 +167,7 @@ def _start(
         token_ids=ids,
         prompt_length=len(ids),
         tool_format=tool_format,
+        initial_state_key=opening.state_key,
     )
 
 
@@ -389,6 +392,8 @@ def _trajectory(
     info: dict[str, Any] = {**ep.info, "num_turns": len(ep.turns)}
     if any(key is not None for key in ep.state_keys):
         info["state_keys"] = tuple(ep.state_keys)  # read by GiGPO's credit (turn_state_keys)
+    if ep.initial_state_key is not None:
+        info["initial_state_key"] = ep.initial_state_key
     errors: dict[str, str] = {}
     if ep.error is not None:
         errors["env"] = ep.error
