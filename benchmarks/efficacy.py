@@ -504,12 +504,19 @@ def measure_warmup(
     extra: list[str],
     warmup_extra: list[str],
     cache: Any = None,
-) -> dict[str, Any]:
+    warmup_from: Path | None = None,
+    warmup_only: bool = False,
+) -> dict[str, Any] | None:
     """A warm-up row: the pipeline's stages before its RL stage, timed; then the RL stage with the
     rest of the budget; the base, the warm-up's model and the end scored on the same held-out
     instances. `extra` goes to the RL stage (`model.name=` is the pipeline's start model and other
     `model.*` keys go to every stage); `warmup_extra` to the stages before it. Only the base's
-    scores come from `cache`; the warm-up's model is always scored."""
+    scores come from `cache`; the warm-up's model is always scored.
+
+    `warmup_from`: the run directory of an earlier `warmup_only` run of this row: its finished
+    warm-up stages are reused (their markers copied; the models stay where they are), so several
+    RL seeds and their placebo arms start from one and the same clone. `warmup_only`: run the
+    warm-up stages into the run directory and stop (returns None)."""
     from rlvr.evaluate_cli import load_model
     from rlvr.models import load_policy
     from rlvr.observe.tracking import read_metrics
@@ -523,6 +530,8 @@ def measure_warmup(
     run_dir = runs_dir / row.name
     if run_dir.exists():  # a fresh measurement: finished stages of an old one must not be reused
         run_dir.rename(run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
+    if warmup_from is not None:
+        reuse_warmup(warmup_from, run_dir)
     start_model = [e.split("=", 1)[1] for e in extra if e.startswith("model.name=")]
     rl_extra = [e for e in extra if not e.startswith("model.name=")]
     every_stage = [e for e in rl_extra if e.startswith("model.")]  # e.g. model.bf16
@@ -553,6 +562,9 @@ def measure_warmup(
     assert rl_cfg is not None
     before, how = base_scores(row, rl_cfg, cfg.model, n, k, cache)
     warm_rows = run_pipeline(cfg, config_dir=EXAMPLES, stop_before=rl_name)
+    if warmup_only:
+        print(f"[{row.name}] warm-up done: --warmup-from {run_dir}", flush=True)
+        return None
     warm_minutes = sum(r.get("wall_minutes", 0.0) for r in warm_rows)
     warm = per_instance_scores(load_policy(warm_rows[-1]["model_dir"]), rl_cfg, EXAMPLES, n, k)
     print(f"[{row.name}] after warm-up: pass@1 {statistics.fmean(warm['pass1']):.1%}", flush=True)
@@ -583,6 +595,22 @@ def measure_warmup(
     })  # fmt: skip
     print(f"[{row.name}] {json.dumps(result)}", flush=True)
     return result
+
+
+def reuse_warmup(source: Path, run_dir: Path) -> None:
+    """Start `run_dir` with the finished warm-up stages of `source` (a `--warmup-only` run of the
+    same row): its pipeline.json and each finished stage's marker, which names the stage's model
+    where it lies in `source`; the pipeline then skips those stages ("done earlier")."""
+    from rlvr.pipeline import DONE_FILE
+
+    markers = sorted(source.glob(f"*/{DONE_FILE}"))
+    if not (source / "pipeline.json").exists() or not markers:
+        raise SystemExit(f"--warmup-from {source}: no finished warm-up stage there")
+    run_dir.mkdir(parents=True)
+    (run_dir / "pipeline.json").write_text((source / "pipeline.json").read_text())
+    for marker in markers:
+        (run_dir / marker.parent.name).mkdir()
+        (run_dir / marker.parent.name / DONE_FILE).write_text(marker.read_text())
 
 
 def met(
@@ -712,6 +740,17 @@ def main() -> None:
         help="measure each row once per seed (train.seed of every stage); the table shows the "
         "mean over the row's seeds and their spread",
     )
+    parser.add_argument(
+        "--warmup-only",
+        action="store_true",
+        help="warm-up rows: run the stages before RL into --runs-dir and stop (for --warmup-from)",
+    )
+    parser.add_argument(
+        "--warmup-from",
+        type=Path,
+        help="warm-up rows: reuse the finished warm-up stages of this --warmup-only run directory, "
+        "so every seed (and placebo arm) trains RL from one clone",
+    )
     parser.add_argument("--base-cache", type=Path, help="default: efficacy-cache by --runs-dir")
     parser.add_argument("--no-base-cache", action="store_true", help="score the base model again")
     parser.add_argument(
@@ -752,11 +791,19 @@ def main() -> None:
                 runs = args.runs_dir if seed is None else args.runs_dir / f"seed-{seed}"
                 extra = [*args.extra, *seeded]
                 measure_args = (row, args.budget_minutes, args.n, args.k, runs, extra)
+                if (args.warmup_only or args.warmup_from) and not row.pipeline:
+                    raise SystemExit(f"--warmup-only/--warmup-from: {name} is not a warm-up row")
+                if args.warmup_only:
+                    measure_warmup(*measure_args, args.warmup_extra, cache, warmup_only=True)
+                    break  # one clone, whatever the seeds
                 result = (
-                    measure_warmup(*measure_args, [*args.warmup_extra, *seeded], cache)
+                    measure_warmup(
+                        *measure_args, [*args.warmup_extra, *seeded], cache, args.warmup_from
+                    )
                     if row.pipeline
                     else measure(*measure_args, cache)
                 )
+                assert result is not None
                 with args.results.open("a") as f:
                     f.write(json.dumps(result) + "\n")
                 args.out.write_text(

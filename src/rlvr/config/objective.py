@@ -95,6 +95,13 @@ class ObjectiveConfig(_Section):
     mask_truncated: bool = Field(
         False, description="DAPO overlong filtering: truncated completions get no loss."
     )
+    placebo: Literal["none", "shuffle_within_group"] = Field(
+        "none",
+        description="A control, never a training mode: shuffle_within_group gives each trajectory "
+        "the reward of a random member of its own group before credit (rlvr.algorithms.placebo), "
+        "so the update has a real step's size and no information. Train one run so beside a real "
+        "one from the same checkpoint and seed: the real run's gain over it is the reward's.",
+    )
     gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (ppo).")
     whiten_advantages: bool = Field(
         True, description="ppo / token-level REINFORCE++: normalise advantages over the batch."

@@ -178,7 +178,7 @@ def rl_step(run: Run, step: int) -> tuple[dict[str, Any], StepRollouts]:
     critic = run.critic
     values = critic.token_values(trajectories) if critic is not None else None
     credit = assign_credit(
-        trajectories, cfg, run.algorithm, ref_logprobs=ref_logprobs, values=values
+        trajectories, cfg, run.algorithm, ref_logprobs=ref_logprobs, values=values, step=step
     )
     # 3. the update: the critic towards its returns, the policy along its advantages
     update = dict(credit.metrics)

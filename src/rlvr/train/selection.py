@@ -23,6 +23,8 @@ puts the advantages on the model's device with the rest of the batch (rlvr.train
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +39,7 @@ from rlvr.algorithms.credit import (
     turn_state_keys,
 )
 from rlvr.algorithms.filtering import select_groups
+from rlvr.algorithms.placebo import partner_turn_rewards, placebo_partners
 from rlvr.algorithms.gae import (
     gae_advantages,
     reinforce_pp_returns,
@@ -134,6 +137,7 @@ def assign_credit(
     *,
     ref_logprobs: Sequence[Sequence[float]] | None = None,
     values: Sequence[Sequence[float]] | None = None,
+    step: int = 0,
 ) -> Credit:
     """Per-token advantages for each trajectory (completion tokens), as the algorithm says.
 
@@ -153,11 +157,16 @@ def assign_credit(
     Rows that did not score (a reward function raised) get no advantage and no KL: their reference
     log-probs are zeros (never computed), so their "KL" would be garbage (and the `kl` metric, which
     the KL blow-up monitor reads, with it).
+
+    `objective.placebo: shuffle_within_group` (a control run) first hands each episode the rewards
+    of a random member of its group (rlvr.algorithms.placebo), drawn from `train.seed` and `step`.
     """
     if not trajectories:
         return Credit([])
     if any(t.turn_of is not None for t in trajectories):
-        return _turn_rows_credit(trajectories, cfg, algorithm, ref_logprobs, values)
+        return _turn_rows_credit(trajectories, cfg, algorithm, ref_logprobs, values, step)
+    if cfg.objective.placebo == "shuffle_within_group":
+        trajectories = placebo_rewards(trajectories, cfg.sampling.group_size, cfg.train.seed, step)
     if not isinstance(algorithm, Algorithm):
         resolved: Algorithm = ALGORITHMS.resolve(cfg.algorithm if algorithm is None else algorithm)
         algorithm = resolved
@@ -337,6 +346,7 @@ def _turn_rows_credit(
     algorithm: Algorithm | str | None,
     ref_logprobs: Sequence[Sequence[float]] | None,
     values: Sequence[Sequence[float]] | None,
+    step: int,
 ) -> Credit:
     """`assign_credit` for turn rows (module docstring): per-token inputs of the rows placed on
     their episodes' turn spans, the credit computed on the episodes, each row given its turn's
@@ -394,7 +404,7 @@ def _turn_rows_credit(
         return out
 
     credit = assign_credit(
-        episodes, cfg, algorithm, ref_logprobs=lift(ref_logprobs), values=lift(values)
+        episodes, cfg, algorithm, ref_logprobs=lift(ref_logprobs), values=lift(values), step=step
     )
     advantages = project(credit.token_advantages)
     assert advantages is not None
@@ -404,6 +414,29 @@ def _turn_rows_credit(
         old_values=project(credit.old_values),
         metrics=credit.metrics,
     )
+
+
+def placebo_rewards(
+    trajectories: Sequence[Trajectory], group_size: int, seed: int, step: int
+) -> list[Trajectory]:
+    """The episodes with their rewards shuffled within each group (`objective.placebo`): episode i
+    gets the reward, components and turn rewards of its partner (rlvr.algorithms.placebo), the
+    permutation drawn from (seed, step) so a rerun shuffles alike. Tokens, masks and log-probs stay
+    the episode's own, so the advantages land on the tokens it sampled."""
+    rng = random.Random(f"placebo:{seed}:{step}")
+    partners = placebo_partners([t.usable for t in trajectories], group_size, rng)
+    out = []
+    for t, j in zip(trajectories, partners, strict=True):
+        partner = trajectories[j]
+        out.append(
+            dataclasses.replace(
+                t,
+                reward=partner.reward,
+                rewards=dict(partner.rewards),
+                turn_rewards=tuple(partner_turn_rewards(partner.turn_rewards, len(t.turn_rewards))),
+            )
+        )
+    return out
 
 
 def _shaped_turn_rewards(
