@@ -170,7 +170,7 @@ def test_algorithm_defaults_apply_and_user_values_win() -> None:
     )
     assert cfg.objective.epsilon_high == 0.3 and not cfg.filter.dynamic_sampling
     cfg = load_config(None, ["algorithm=dr_grpo"])
-    assert not cfg.objective.scale_rewards
+    assert cfg.objective.scale_rewards == "none"
     assert cfg.objective.loss_aggregation == "seq-mean-token-sum-norm"
     cfg = load_config(None, ["algorithm=gspo"])
     assert (cfg.objective.epsilon, cfg.objective.epsilon_high) == (3e-4, 4e-4)

@@ -113,18 +113,33 @@ def build_optimizer(policy: Policy, cfg: RunConfig) -> tuple[torch.optim.Optimiz
             weight_decay=tc.weight_decay,
         )
 
-    def lr_factor(step: int) -> float:
-        if step < tc.warmup_steps:
-            return (step + 1) / (tc.warmup_steps + 1)
-        progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
-        if tc.lr_schedule == "linear":
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, LrSchedule(tc.lr_schedule, tc.warmup_steps, tc.steps)
+    )
+    return optimizer, scheduler
+
+
+class LrSchedule:
+    """The learning-rate factor of scheduler step k: a linear warm-up over `warmup_steps`, then
+    constant, or linear / cosine to 0 at `horizon` steps.
+
+    `horizon` starts at train.steps; a time-limited run moves it to the steps that fit in the limit
+    (rlvr.train.loop.fit_schedule_to_time_limit), or the decay would span steps the run never
+    takes and the lr would never anneal. An object rather than a closure so LambdaLR's state_dict
+    carries the horizon into a checkpoint and a resume continues the same curve."""
+
+    def __init__(self, kind: str, warmup_steps: int, horizon: int) -> None:
+        self.kind, self.warmup_steps, self.horizon = kind, warmup_steps, horizon
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        progress = (step - self.warmup_steps) / max(1, self.horizon - self.warmup_steps)
+        if self.kind == "linear":
             return max(0.0, 1.0 - progress)
-        if tc.lr_schedule == "cosine":
+        if self.kind == "cosine":
             return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    return optimizer, scheduler
 
 
 def rollout_limits(cfg: RunConfig) -> RolloutLimits:

@@ -64,26 +64,35 @@ def grpo_advantages(
     rewards_B: torch.Tensor,
     valid_B: torch.Tensor,
     group_size: int,
-    scale_rewards: bool = True,
+    scale_rewards: bool | str = True,
     eps: float = 1e-4,
 ) -> torch.Tensor:
     """GRPO group-relative advantage (Shao et al. 2024, DeepSeekMath, eq. 4 in its outcome form).
 
-        A_i = (r_i - mean(r_group)) / (std(r_group) + eps)      if scale_rewards
-        A_i =  r_i - mean(r_group)                              otherwise (Dr.GRPO, Liu et al. 2025)
+        A_i = (r_i - mean(r_group)) / (std(r_group) + eps)   scale_rewards "group" (or True)
+        A_i = (r_i - mean(r_group)) / (std(r_batch) + eps)   "batch" (TRL's; Hu 2025)
+        A_i =  r_i - mean(r_group)                           "none" (or False; Dr.GRPO, Liu 2025)
 
-    The std is Bessel-corrected (as torch.std and TRL); a group with equal rewards gets exactly A = 0.
-    Invalid members get A = 0 and are left out of their group's mean and std.
+    The std is Bessel-corrected (as torch.std and TRL), over the valid members; a group with equal
+    rewards gets exactly A = 0. Invalid members get A = 0 and are left out of every mean and std.
     Shapes: rewards_B, valid_B (B,), B = P * group_size, group-major. Returns (B,).
     """
+    scaling = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)  # type: ignore[call-overload]
+    if scaling not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
     if rewards_B.numel() % group_size:
         raise ValueError(f"{rewards_B.numel()} rewards do not split into groups of {group_size}")
     valid_P_G = valid_B.view(-1, group_size).to(rewards_B.dtype)
     rewards_P_G = rewards_B.view(-1, group_size)
     mean_P1, std_P1 = _masked_group_stats(rewards_P_G, valid_P_G)
     advantages_P_G = rewards_P_G - mean_P1
-    if scale_rewards:
+    if scaling == "group":
         advantages_P_G = advantages_P_G / (std_P1 + eps)
+    elif scaling == "batch":
+        _, batch_std_11 = _masked_group_stats(
+            rewards_B.view(1, -1), valid_B.view(1, -1).to(rewards_B.dtype)
+        )
+        advantages_P_G = advantages_P_G / (batch_std_11 + eps)
     # A group whose valid rewards are all equal carries no signal: exactly 0, not the float32 rounding
     # of its mean divided by eps (0.7 * 8 / 8 != 0.7 in float32).
     spread_P1 = _group_spread(rewards_P_G, valid_P_G)

@@ -29,8 +29,9 @@ class AdvantageBatch:
     plus DAPO's overlong shaping, minus beta x its summed KL when the KL is in the reward. `valid_B`
     (bool) is False for a trajectory that did not score (a reward function raised): it must get
     advantage 0 and not move its group's baseline. `lengths_B` counts its sampled (policy) tokens,
-    `turns_B` its assistant turns. `scale_rewards` is `objective.scale_rewards` (divide by the
-    group std). `trajectories` are the records themselves, for anything else (rewards by part,
+    `turns_B` its assistant turns. `scale_rewards` is `objective.scale_rewards`: "group" (divide
+    by the group std), "batch" (by the batch's) or "none"; `grpo_advantages` takes it as it is (and
+    True / False as group / none). `trajectories` are the records themselves, for anything else (rewards by part,
     finish reasons, info).
     """
 
@@ -39,7 +40,7 @@ class AdvantageBatch:
     group_size: int
     lengths_B: torch.Tensor
     turns_B: torch.Tensor
-    scale_rewards: bool
+    scale_rewards: bool | str
     trajectories: Sequence[Trajectory]
 
 

@@ -27,7 +27,7 @@ __all__ = ["BUILTIN_ALGORITHMS", "as_algorithm"]
 
 def grpo_advantage(batch: AdvantageBatch) -> torch.Tensor:
     """GRPO's group-relative advantage (rlvr.algorithms.advantages.grpo_advantages); without std
-    scaling (`objective.scale_rewards: false`) Dr.GRPO's."""
+    scaling (`objective.scale_rewards: none`) Dr.GRPO's; `batch`, TRL's batch std."""
     return grpo_advantages(
         batch.rewards_B, batch.valid_B, batch.group_size, scale_rewards=batch.scale_rewards
     )
@@ -68,7 +68,7 @@ _ALL = (
         grpo_advantage,
         ppo_clip_loss,
         # No std scaling, a constant normaliser instead of per-sequence length.
-        {"objective": {"scale_rewards": False, "loss_aggregation": "seq-mean-token-sum-norm"}},
+        {"objective": {"scale_rewards": "none", "loss_aggregation": "seq-mean-token-sum-norm"}},
         group_relative=True,
     ),
     Algorithm(
@@ -117,7 +117,7 @@ _ALL = (
         rloo_advantage,
         ppo_clip_loss,
         # No std scaling, sequence-level REINFORCE.
-        {"objective": {"scale_rewards": False, "loss_aggregation": "seq-mean-token-sum-norm"}},
+        {"objective": {"scale_rewards": "none", "loss_aggregation": "seq-mean-token-sum-norm"}},
     ),
     Algorithm(
         "reinforce_pp",

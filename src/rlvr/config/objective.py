@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     Field,
@@ -26,7 +26,14 @@ class ObjectiveConfig(_Section):
         description="KL penalty weight. 0 (no reference model) as in DAPO/Dr.GRPO and TRL's default.",
     )
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    scale_rewards: bool = Field(True, description="Divide advantages by the group std (GRPO).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="What the centred reward is divided by, as TRL spells it: group, the group's "
+        "std (GRPO); batch, the std of the whole batch's rewards (Hu 2025; trajectory credit "
+        "only); none, nothing: the mean-only advantage of Dr.GRPO (Liu et al. 2025) and GiGPO's "
+        "mean_norm, so a near-constant group (one -0.1 move among 8 failures) stays as quiet as "
+        "its reward spread instead of as loud as a success. true / false mean group / none.",
+    )
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         Field(
             "token-mean",
@@ -107,8 +114,21 @@ class ObjectiveConfig(_Section):
         True, description="ppo / token-level REINFORCE++: normalise advantages over the batch."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _scale_rewards_as_trl_takes_it(cls, data: Any) -> Any:
+        # TRL took a bool before "group" / "batch" / "none": True is "group", False is "none".
+        if isinstance(data, dict) and isinstance(data.get("scale_rewards"), bool):
+            data = {**data, "scale_rewards": "group" if data["scale_rewards"] else "none"}
+        return data
+
     @model_validator(mode="after")
     def _check_off_policy(self) -> ObjectiveConfig:
+        if self.scale_rewards == "batch" and self.credit != "trajectory":
+            raise ValueError(
+                f"scale_rewards 'batch' divides trajectory advantages by the batch std; credit "
+                f"{self.credit!r} normalises within groups: use 'group' or 'none'"
+            )
         capped = ("tis_token", "tis_sequence", "mis_token", "mis_sequence")
         if self.off_policy_correction in capped and self.tis_cap is None:
             raise ValueError(f"off_policy_correction {self.off_policy_correction} needs tis_cap")

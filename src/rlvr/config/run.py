@@ -30,6 +30,7 @@ from rlvr.config.tasks import (
     _default_rewards,
 )
 from rlvr.config.training import (
+    LORA_LR,
     CheckpointConfig,
     EvalConfig,
     SandboxConfig,
@@ -136,6 +137,19 @@ class RunConfig(_Section):
                 for n in names
             ]
             data = {**data, "tracking": {**tracking, "report_to": refs}}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lora_learning_rate(cls, data: Any) -> Any:
+        """LoRA's own default learning rate (LORA_LR) when the config gives none."""
+        if not isinstance(data, dict):
+            return data
+        model, train = data.get("model") or {}, data.get("train") or {}
+        lora = model.get("lora") if isinstance(model, dict) else None
+        enabled = lora.get("enabled") if isinstance(lora, dict) else getattr(lora, "enabled", None)
+        if enabled is True and isinstance(train, dict) and "learning_rate" not in train:
+            data = {**data, "train": {**train, "learning_rate": LORA_LR}}
         return data
 
     @model_validator(mode="before")

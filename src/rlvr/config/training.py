@@ -11,12 +11,36 @@ from pydantic import (
 
 from rlvr.config.base import _Section
 
+FULL_FINETUNE_LR = 1e-6  # TRL GRPOConfig, verl actor, RAGEN, verl-agent: train.learning_rate's doc
+LORA_LR = 1e-5  # ~10x full fine-tuning's (Schulman et al. 2025, "LoRA Without Regret")
+
 
 class TrainConfig(_Section):
     steps: int = Field(100, ge=1)
-    learning_rate: float = Field(1e-5, gt=0.0)
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    learning_rate: float = Field(
+        FULL_FINETUNE_LR,
+        gt=0.0,
+        description="1e-6 for full fine-tuning, as TRL's GRPOConfig, verl's actor, RAGEN and "
+        "verl-agent (GiGPO): Adam moves each weight by about lr per step whatever the gradient, "
+        "and 1e-5 walked warm-started policies off their clone (docs/efficacy_notes.md). With "
+        "model.lora.enabled and no value given, 1e-5: LoRA's best rate is ~10x full fine-"
+        "tuning's (Schulman et al. 2025, 'LoRA Without Regret').",
+    )
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="constant (verl's and verl-agent's default), or linear / cosine to 0 after "
+        "warmup_steps. With train.time_limit_minutes the decay spans the steps that fit in the "
+        "limit (re-estimated after each step from the mean step time), not train.steps, which a "
+        "time-limited run never reaches.",
+    )
     warmup_steps: int = Field(0, ge=0)
+    step_without_signal: bool = Field(
+        False,
+        description="Take an optimizer step when no row has a non-zero advantage (every kept "
+        "group all-equal) and no KL or entropy term adds a gradient. false (the default): skip it "
+        "and count it (`update/no_signal`): Adam's momentum would otherwise keep moving the "
+        "weights along earlier batches' directions on a step that carried nothing.",
+    )
     weight_decay: float = Field(0.0, ge=0.0)
     adam_betas: tuple[float, float] = (0.9, 0.99)
     max_grad_norm: float = Field(1.0, gt=0.0)

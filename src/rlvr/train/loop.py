@@ -36,6 +36,7 @@ rlvr.train.rollouts.RolloutPlan; the step is the same in every case (docs/scalin
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -193,6 +194,7 @@ def rl_step(run: Run, step: int) -> tuple[dict[str, Any], StepRollouts]:
                 )
             )  # fmt: skip
         plan.after_update(step)  # the samplers get the new weights
+    fit_schedule_to_time_limit(run, step)
     metrics = {**step_metrics(run, sampled, filter_metrics), **update}
     elapsed = time.time() - t0
     n_tokens = sum(len(t.token_ids) - t.prompt_length for t in flatten(sampled))
@@ -206,6 +208,22 @@ def rl_step(run: Run, step: int) -> tuple[dict[str, Any], StepRollouts]:
         }
     )
     return metrics, StepRollouts(sampled, trajectories, credit.token_advantages)
+
+
+def fit_schedule_to_time_limit(run: Run, step: int) -> None:
+    """With train.time_limit_minutes and a decaying lr, set the schedule's horizon (rlvr.build.
+    LrSchedule) to the steps that fit: this step plus the remaining time over the mean step time so
+    far (the run ends after the first step past the limit, hence the ceiling), at most train.steps.
+    Re-estimated every step, so a run whose steps slow down anneals sooner; never below this step."""
+    tc = run.cfg.train
+    schedule = getattr(run.scheduler, "lr_lambdas", [None])[0]
+    if tc.time_limit_minutes is None or tc.lr_schedule == "constant" or schedule is None:
+        return
+    elapsed = time.time() - run.first_step_started
+    per_step = elapsed / max(1, step - run.start_step)
+    remaining = 60.0 * tc.time_limit_minutes - elapsed
+    more = max(0, math.ceil(remaining / per_step)) if per_step > 0 else tc.steps
+    schedule.horizon = max(step, min(tc.steps, step + more))
 
 
 def step_metrics(
@@ -225,7 +243,10 @@ def step_metrics(
         metrics.update(source_metrics(episodes, {s.name: s.metric for s in sources}))
     # A judge or reward model's share reported apart from the verifiers' (hacking shows there).
     metrics.update(verifiability_metrics(episodes, sources.reward_weights, sources.unverifiable))
-    metrics["learning_rate"] = run.scheduler.get_last_lr()[0]
+    metrics["learning_rate"] = run.scheduler.get_last_lr()[0]  # the lr this step's update used
+    schedule = getattr(run.scheduler, "lr_lambdas", [None])[0]
+    if hasattr(schedule, "horizon"):
+        metrics["lr_horizon_steps"] = float(schedule.horizon)
     with warnings.catch_warnings():
         # The schedule follows steps even when an update was skipped (no optimizer.step()).
         warnings.simplefilter("ignore", UserWarning)

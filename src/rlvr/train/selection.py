@@ -39,7 +39,6 @@ from rlvr.algorithms.credit import (
     turn_state_keys,
 )
 from rlvr.algorithms.filtering import select_groups
-from rlvr.algorithms.placebo import partner_turn_rewards, placebo_partners
 from rlvr.algorithms.gae import (
     gae_advantages,
     reinforce_pp_returns,
@@ -47,6 +46,7 @@ from rlvr.algorithms.gae import (
     turn_reward_positions,
     whiten,
 )
+from rlvr.algorithms.placebo import partner_turn_rewards, placebo_partners
 from rlvr.algorithms.shaping import soft_overlong_penalty
 from rlvr.config import RunConfig
 from rlvr.records import Group, Trajectory, flatten
@@ -314,7 +314,7 @@ def _per_turn_credit(
     if obj.credit == "gigpo":
         keys = [turn_state_keys(t) for t in trajectories]
         step = gigpo_step_advantages(
-            keys, shaped_turns, valid, group_size, obj.gamma, obj.scale_rewards
+            keys, shaped_turns, valid, group_size, obj.gamma, obj.scale_rewards == "group"
         )
         metrics.update(anchor_group_metrics(keys, shaped_turns, valid, group_size, obj.gamma))
         return Credit(
@@ -327,7 +327,7 @@ def _per_turn_credit(
             metrics=metrics,
         )
     per_turn = turn_advantages(
-        shaped_turns, valid, group_size, gamma=obj.gamma, scale=obj.scale_rewards
+        shaped_turns, valid, group_size, gamma=obj.gamma, scale=obj.scale_rewards == "group"
     )
     outcome = advantages_B if obj.credit == "bi-level" else [0.0] * len(trajectories)
     weight = obj.turn_weight if obj.credit == "bi-level" else 1.0

@@ -143,9 +143,15 @@ def policy_update(
     """
     started = time.perf_counter()
     obj, model = cfg.objective, policy.model
+    if not cfg.train.step_without_signal and no_signal(
+        trajectories, token_advantages, cfg, teacher
+    ):
+        # Every advantage is 0 and nothing else has a gradient: AdamW would still move the weights
+        # by its momentum (~lr each), a step of earlier batches' directions on no new evidence.
+        return {"update/no_signal": 1.0, "update/rows_trained": 0.0}
     prepared = prepare_update(policy, trajectories, token_advantages, cfg, teacher, dist)
     if prepared is None:
-        return {"update/skipped": 1.0}
+        return {"update/skipped": 1.0, "update/no_signal": 0.0}
     terms, batches, real = prepared.terms, prepared.batches, prepared.real
     old_logprobs, ref_logprobs = fixed_logprobs(terms, policy, batches)
     sums: dict[str, float] = {}
@@ -187,6 +193,7 @@ def policy_update(
         {
             "grad_norm": statistics.fmean(grad_norms) if grad_norms else float("nan"),
             "update/skipped_nonfinite": float(skipped),
+            "update/no_signal": 0.0,
             "update/rows_forwarded_frac": prepared.rows_forwarded / prepared.rows_trained,
             "update/rows_trained": float(prepared.rows_trained),
             "update/micro_batches": float(sum(real)),  # this rank's forwards (train.max_tokens_...)
@@ -212,6 +219,30 @@ class PreparedUpdate:
     correction_name: str
 
 
+def gradient_only_from_advantages(cfg: RunConfig, teacher: Any) -> bool:
+    """Whether a row with advantage 0 adds exactly 0 to the gradient: no KL in the loss, no
+    entropy bonus, no teacher term (then such rows can be skipped, and a batch of them is no step)."""
+    obj = cfg.objective
+    kl_in_loss = obj.beta > 0 and not obj.kl_in_reward
+    return not kl_in_loss and obj.entropy_coef == 0 and teacher is None
+
+
+def no_signal(
+    trajectories: Sequence[Trajectory],
+    token_advantages: Sequence[Sequence[float]],
+    cfg: RunConfig,
+    teacher: Any,
+) -> bool:
+    """True when the update would have a zero gradient: every advantage of every training row is 0
+    and no other term has one (`gradient_only_from_advantages`). The same on every rank (each
+    passes the whole batch)."""
+    if not gradient_only_from_advantages(cfg, teacher):
+        return False
+    return not any(
+        any(adv) for t, adv in zip(trajectories, token_advantages, strict=True) if trains_on(t, cfg)
+    )
+
+
 def prepare_update(
     policy: Policy,
     trajectories: Sequence[Trajectory],
@@ -230,12 +261,7 @@ def prepare_update(
     # With no KL, entropy or teacher term, a row whose advantage is 0 adds exactly 0 to the gradient:
     # skip its forward and backward. The normalisers below still count it, so the update is
     # unchanged (tested). Late in a run most groups are all-right or all-wrong: this saves most of it.
-    skip_zero = (
-        cfg.train.skip_zero_advantage_rows
-        and not kl_in_loss
-        and obj.entropy_coef == 0
-        and teacher is None
-    )
+    skip_zero = cfg.train.skip_zero_advantage_rows and gradient_only_from_advantages(cfg, teacher)
     forwarded = [i for i in usable if not (skip_zero and not any(token_advantages[i]))]
     plan = RankPlan.make(
         trajectories,
