@@ -158,3 +158,73 @@ def test_scale_rewards_spellings_and_the_batch_std_by_hand() -> None:
     assert grpo_advantages(rewards, valid, 2, scale_rewards=False).tolist() == [0.5, -0.5, 0, 0]
     with pytest.raises(ValueError, match="group, batch or none"):
         grpo_advantages(rewards, valid, 2, scale_rewards="std")
+
+
+# ------------------------------------------------------------------------------ per-step signal
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("lean", [False, True])
+def test_update_norm_from_adam_state_equals_the_weights_moved(
+    weight_decay: float, lean: bool
+) -> None:
+    from rlvr.optim import StochasticRoundingAdamW, adam_step_norms
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if lean else torch.float32
+    # Weights ~0.01, whose bf16 spacing (~6e-5) is small beside the ~1e-2 steps: the lean
+    # optimizer's stochastic rounding then adds little to the distance moved.
+    params = [
+        torch.nn.Parameter((0.01 * torch.randn(300)).to(dtype)),
+        torch.nn.Parameter((0.01 * torch.randn(7, 5)).to(dtype)),
+    ]
+    frozen = torch.nn.Parameter(torch.randn(4, dtype=dtype))  # never stepped: weight norm only
+    if lean:
+        opt: torch.optim.Optimizer = StochasticRoundingAdamW(
+            [*params, frozen], lr=1e-2, betas=(0.9, 0.99), weight_decay=weight_decay, seed=0
+        )
+    else:
+        opt = adamw([*params, frozen], lr=1e-2, betas=(0.9, 0.99), weight_decay=weight_decay)
+    for _ in range(3):
+        before = [p.detach().float().clone() for p in params]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        moved = math.sqrt(
+            sum(
+                float((p.detach().float() - b).square().sum())
+                for p, b in zip(params, before, strict=True)
+            )
+        )
+        update_sq, weight_sq = adam_step_norms(opt)
+        assert math.sqrt(weight_sq) == pytest.approx(
+            math.sqrt(sum(float(p.detach().float().square().sum()) for p in [*params, frozen])),
+            rel=1e-5,
+        )
+        # bf16 weights and moments are rounded after the step: agreement to ~1%, not 1e-4.
+        assert math.sqrt(update_sq) == pytest.approx(moved, rel=3e-2 if lean else 1e-4)
+        opt.zero_grad(set_to_none=True)
+
+
+def test_signal_metrics_by_hand() -> None:
+    from rlvr.observe.metrics import signal_metrics
+    from rlvr.records import Group, Task
+
+    def t(reward: float, success: float) -> Trajectory:
+        return Trajectory(
+            task_id="t", token_ids=(1, 2), policy_mask=(0, 1), logprobs=(0.0, -1.0),
+            prompt_length=1, completion_text="", finish_reason="stop", reward=reward,
+            rewards={"success": success},
+        )  # fmt: skip
+
+    groups = [
+        Group(Task("a", ()), (t(1.1, 1.0), t(0.1, 0.0))),  # success contrast
+        Group(Task("b", ()), (t(0.1, 0.0), t(0.0, 0.0))),  # reward contrast, no success
+        Group(Task("c", ()), (t(1.1, 1.0), t(1.1, 1.0))),  # all equal
+    ]
+    out = signal_metrics(groups, lambda x: x.rewards["success"] >= 1.0, 2)
+    assert out == {
+        "signal/episodes": 6.0,
+        "signal/successes": 3.0,
+        "signal/groups": 3.0,
+        "signal/groups_reward_contrast": 2.0,
+        "signal/groups_success_contrast": 1.0,
+    }

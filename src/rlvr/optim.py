@@ -135,3 +135,46 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     round_stochastically_(m[part], m32, generator)
                     round_stochastically_(v[part], v32, generator)
         return loss
+
+
+@torch.no_grad()
+def adam_step_norms(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
+    """(||delta theta||^2, ||theta||^2) of the AdamW step just taken, from the optimizer's state:
+    squares, so shards' (fsdp) sum to the whole model's and replicas' ratio is unchanged.
+
+    delta = lr * m_hat / (sqrt(v_hat) + eps) + lr * wd * theta per weight, the step AdamW (and the
+    lean optimizer) applies, computed from `exp_avg`, `exp_avg_sq` and `step` instead of from a copy
+    of the weights before the step (a second copy of every weight: 28 GiB at 7B); the old weights
+    of the decay term are recovered from the new ones. A parameter without state
+    (no gradient yet) adds to ||theta|| only. One pass over the weights a step, in fp32 slices of
+    LEAN_CHUNK entries; one host read at the end."""
+    if not all({"lr", "eps", "betas", "weight_decay"} <= set(g) for g in optimizer.param_groups):
+        return math.nan, math.nan  # not an Adam (a test's SGD): its step is not read here
+    update_sq: list[torch.Tensor] = []
+    weight_sq: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            flat = p.detach().reshape(-1)
+            if "exp_avg" not in state:
+                weight_sq.append(flat.float().square().sum())
+                continue
+            t = float(state["step"])
+            step_size = lr / (1 - beta1**t)
+            correction2 = math.sqrt(1 - beta2**t)
+            m, v = state["exp_avg"].reshape(-1), state["exp_avg_sq"].reshape(-1)
+            for start in range(0, flat.numel(), LEAN_CHUNK):
+                part = slice(start, start + LEAN_CHUNK)
+                w32 = flat[part].float()
+                delta = m[part].float() * step_size / (v[part].float().sqrt() / correction2 + eps)
+                if wd:  # theta_new = theta_old (1 - lr wd) - adam: recover theta_old exactly
+                    delta = delta + (lr * wd) * (w32 + delta) / (1 - lr * wd)
+                update_sq.append(delta.square().sum())
+                weight_sq.append(w32.square().sum())
+    if not weight_sq:
+        return 0.0, 0.0
+    zero = weight_sq[0].new_zeros(())
+    sums = torch.stack([sum(update_sq, zero), sum(weight_sq, zero)]).tolist()
+    return sums[0], sums[1]

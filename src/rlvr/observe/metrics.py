@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,29 @@ WALL_CLOCK_METRICS = frozenset(
         "perf/precision",  # model.bf16: auto measures the host
     }
 )
+
+
+def signal_metrics(
+    sampled: Sequence[Group], succeeded: Callable[[Trajectory], bool], group_size: int
+) -> dict[str, float]:
+    """Whether a step carried any signal, per step (issue 62): episodes and successes sampled,
+    groups whose rewards differ at all and groups holding both a success and a failure (a success
+    contrast: the only groups that say what success takes). The filter's side (groups kept, the
+    share of them all-equal) is rlvr.train.selection.collect_groups'. `succeeded(t)` is the source's
+    accuracy rule (its metric component >= 1, as the held-out eval counts a pass)."""
+    trajs = flatten(sampled)
+    valid_B = torch.tensor([t.usable for t in trajs], device="cpu")
+    std_P = group_reward_std(
+        torch.tensor([t.reward for t in trajs], device="cpu"), valid_B, group_size
+    )
+    wins = [[succeeded(t) for t in g.trajectories if t.usable] for g in sampled]
+    return {
+        "signal/episodes": float(len(trajs)),
+        "signal/successes": float(sum(sum(w) for w in wins)),
+        "signal/groups": float(len(sampled)),
+        "signal/groups_reward_contrast": float((std_P > 0).sum()),
+        "signal/groups_success_contrast": float(sum(any(w) and not all(w) for w in wins)),
+    }
 
 
 def rollout_metrics(

@@ -53,6 +53,7 @@ from rlvr.observe.metrics import (
     agent_metrics,
     rollout_metrics,
     rollout_rows,
+    signal_metrics,
     source_metrics,
     verifiability_metrics,
 )
@@ -233,8 +234,15 @@ def step_metrics(
     vs not), the filter's, the rollout plan's, and the learning rate; steps the schedule."""
     sources = run.sources
     episodes = flatten(sampled)
+    metric_of = {s.name: s.metric for s in sources}
+    default_metric = next(iter(metric_of.values()))
+
+    def succeeded(t: Trajectory) -> bool:  # the held-out eval's pass rule, per source
+        return t.rewards.get(metric_of.get(t.source, default_metric), 0.0) >= 1.0
+
     metrics = {
         **rollout_metrics(sampled, sources.reward_names, run.cfg.sampling.group_size),
+        **signal_metrics(sampled, succeeded, run.cfg.sampling.group_size),
         **agent_metrics(episodes),
         **filter_metrics,
         **run.plan.metrics(),

@@ -70,6 +70,7 @@ def collect_groups(
     sampled: list[Group] = []
     kept: list[Group] = []
     stds: list[float] = []  # in-group reward std of every sampled group
+    kept_stds: list[float] = []
     rounds = 0
     while True:
         rounds += 1
@@ -84,17 +85,24 @@ def collect_groups(
         stds.extend(std_P)
         keep = select_groups(std_P, f.group_filter, f.top_p, f.top_k_fraction, f.drop_zero_std)
         kept.extend(groups[i] for i in keep)
+        kept_stds.extend(std_P[i] for i in keep)
         if not f.dynamic_sampling or len(kept) >= cfg.sampling.prompts_per_step:
             break
         if rounds >= f.max_sampling_rounds:
             break
     if f.dynamic_sampling:
         kept = kept[: cfg.sampling.prompts_per_step]
+        kept_stds = kept_stds[: cfg.sampling.prompts_per_step]
     kept = [training_group(g) for g in kept]
     metrics = {
         "rollout/in_group_std": sum(stds) / len(stds),
         "rollout/filter_kept_ratio": len(kept) / len(sampled),
         "rollout/sampling_rounds": float(rounds),
+        # Of the groups the update trains on, the share with all-equal rewards (advantage 0).
+        "signal/kept_groups": float(len(kept)),
+        "signal/kept_all_equal_frac": (
+            sum(s == 0 for s in kept_stds) / len(kept_stds) if kept_stds else 1.0
+        ),
     }
     return sampled, kept, metrics
 

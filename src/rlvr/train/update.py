@@ -43,6 +43,7 @@ from rlvr.config import RunConfig
 from rlvr.devices import device_of
 from rlvr.models import Policy
 from rlvr.observe.flops import backward_flops, forward_flops, linear_weights
+from rlvr.optim import adam_step_norms
 from rlvr.records import Trajectory
 from rlvr.registry import ALGORITHMS
 from rlvr.scale.torch_dist import DistContext, norm_value, reshard
@@ -142,7 +143,7 @@ def policy_update(
     so every rank takes the step one process would take; the metrics are whole-batch ones.
     """
     started = time.perf_counter()
-    obj, model = cfg.objective, policy.model
+    obj = cfg.objective
     if not cfg.train.step_without_signal and no_signal(
         trajectories, token_advantages, cfg, teacher
     ):
@@ -153,11 +154,57 @@ def policy_update(
     if prepared is None:
         return {"update/skipped": 1.0, "update/no_signal": 0.0}
     terms, batches, real = prepared.terms, prepared.batches, prepared.real
-    old_logprobs, ref_logprobs = fixed_logprobs(terms, policy, batches)
     sums: dict[str, float] = {}
+    grad_norms, skipped = optimizer_steps(policy, optimizer, prepared, cfg, dist, sums)
+    real_batches = [b for b, r in zip(batches, real, strict=True) if r]
+    sums["_forwarded_tokens"] = float(sum(b.mask_B_C.sum() for b in real_batches))
+    sums["_flops"] = _update_flops(policy, real_batches, cfg, terms.kl_in_loss, terms.share)
+    if dist is not None:  # whole-batch metrics on every rank: the sums of all ranks
+        sums = dist.all_reduce_sums(sums)
+    forwarded_tokens, flops = sums.pop("_forwarded_tokens"), sums.pop("_flops")
+    update_sq, weight_sq = sums.pop("_update_sq", 0.0), sums.pop("_weight_sq", 0.0)
+    metrics = update_metrics(
+        sums,
+        obj.num_iterations,
+        total_tokens=prepared.total_tokens,
+        forwarded_tokens=forwarded_tokens,
+        correction_name=prepared.correction_name,
+    )
+    metrics.update(
+        {
+            "grad_norm": statistics.fmean(grad_norms) if grad_norms else float("nan"),
+            "update/skipped_nonfinite": float(skipped),
+            "update/no_signal": 0.0,
+            # ||delta theta|| / ||theta|| over the step(s): how far the weights moved, whatever
+            # the gradient's scale (Adam moves each weight by ~lr); AdamW's own step, not a diff.
+            "update/relative_norm": math.sqrt(update_sq / weight_sq) if weight_sq else math.nan,
+            "update/rows_forwarded_frac": prepared.rows_forwarded / prepared.rows_trained,
+            "update/rows_trained": float(prepared.rows_trained),
+            "update/micro_batches": float(sum(real)),  # this rank's forwards (train.max_tokens_...)
+        }
+    )
+    seconds = time.perf_counter() - started
+    metrics["perf/update_gflops"] = flops / 1e9
+    metrics["perf/update_gflops_per_s"] = flops / 1e9 / seconds if seconds > 0 else float("nan")
+    return metrics
+
+
+def optimizer_steps(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    prepared: PreparedUpdate,
+    cfg: RunConfig,
+    dist: DistContext | None,
+    sums: dict[str, float],
+) -> tuple[list[float], int]:
+    """The num_iterations passes over the micro-batches, an optimizer step after each; the loss
+    terms' sums (and the steps' squared update and weight norms) accumulate in `sums`. Returns the
+    taken steps' gradient norms and how many steps were skipped for a non-finite loss or gradient."""
+    terms, batches, real, model = prepared.terms, prepared.batches, prepared.real, policy.model
+    old_logprobs, ref_logprobs = fixed_logprobs(terms, policy, batches)
     skipped = 0
     grad_norms: list[float] = []
-    for iteration in range(obj.num_iterations):
+    for iteration in range(cfg.objective.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         finite_loss = True
         for i, b in enumerate(batches):
@@ -175,34 +222,11 @@ def policy_update(
             skipped += 1  # a non-finite loss or gradient would poison the weights: skip, count it
         else:
             grad_norms.append(grad_norm)
+            update_sq, weight_sq = adam_step_norms(optimizer)
+            sums["_update_sq"] = sums.get("_update_sq", 0.0) + update_sq
+            sums["_weight_sq"] = weight_sq  # the weights after the last step
 
-    real_batches = [b for b, r in zip(batches, real, strict=True) if r]
-    sums["_forwarded_tokens"] = float(sum(b.mask_B_C.sum() for b in real_batches))
-    sums["_flops"] = _update_flops(policy, real_batches, cfg, terms.kl_in_loss, terms.share)
-    if dist is not None:  # whole-batch metrics on every rank: the sums of all ranks
-        sums = dist.all_reduce_sums(sums)
-    forwarded_tokens, flops = sums.pop("_forwarded_tokens"), sums.pop("_flops")
-    metrics = update_metrics(
-        sums,
-        obj.num_iterations,
-        total_tokens=prepared.total_tokens,
-        forwarded_tokens=forwarded_tokens,
-        correction_name=prepared.correction_name,
-    )
-    metrics.update(
-        {
-            "grad_norm": statistics.fmean(grad_norms) if grad_norms else float("nan"),
-            "update/skipped_nonfinite": float(skipped),
-            "update/no_signal": 0.0,
-            "update/rows_forwarded_frac": prepared.rows_forwarded / prepared.rows_trained,
-            "update/rows_trained": float(prepared.rows_trained),
-            "update/micro_batches": float(sum(real)),  # this rank's forwards (train.max_tokens_...)
-        }
-    )
-    seconds = time.perf_counter() - started
-    metrics["perf/update_gflops"] = flops / 1e9
-    metrics["perf/update_gflops_per_s"] = flops / 1e9 / seconds if seconds > 0 else float("nan")
-    return metrics
+    return grad_norms, skipped
 
 
 @dataclass
