@@ -91,8 +91,17 @@ def combine(series: list[dict[str, Any]], newest: dict[str, Any]) -> dict[str, A
         out["after_warmup"] = statistics.fmean(warm)
         out["rl_gain"] = out["after"] - out["after_warmup"]
         out["rl_gain_ci95"] = list(chance_lib.bootstrap_gain(after, warm, paired=True))
+    placebo = _per_instance_mean(series, "after_placebo")
+    if placebo is not None:  # every seed ran its placebo arm: RL over placebo over seed-means
+        out["per_instance"]["after_placebo"] = placebo
+        out["after_placebo"] = statistics.fmean(placebo)
+        out["over_placebo"] = out["after"] - out["after_placebo"]
+        out["over_placebo_ci95"] = list(chance_lib.bootstrap_gain(after, placebo, paired=True))
+    else:
+        for field in ("after_placebo", "over_placebo", "over_placebo_ci95"):
+            out.pop(field, None)
     for field in (f"mean@{k}_before", f"mean@{k}_after", f"mean@{k}_after_warmup",
-                  "tool_call_rate_after", "turns_after"):  # fmt: skip
+                  f"mean@{k}_after_placebo", "tool_call_rate_after", "turns_after"):  # fmt: skip
         mean = _mean(series, field)
         if mean is not None:  # else the newest's own value stands (an old result lacks it)
             out[field] = mean

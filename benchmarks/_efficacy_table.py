@@ -75,8 +75,15 @@ def render(
         "and `train min` the slowest seed's. Only results measured the same way (the same command",
         "but the seed, the same held-out set, the same CPU) are averaged.",
         "",
-        "| task | target | metric | n | chance | solver | before | after warm-up | after | seeds: after each | gain over chance (95% CI) | gain over before (95% CI) | mean@k before -> after | tool calls | turns | steps | train min | met | CPU; precision | command |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "A row measured with `--placebo` also trained, from the same warm-up and seed, a placebo",
+        "arm whose rewards were shuffled within each group before credit (`objective.placebo:",
+        "shuffle_within_group`: a real step's size, no information); `RL over placebo` is after",
+        "minus the placebo's after with a paired interval: the part of the gain the reward taught.",
+        "`recipe` is the RL run's learning rate, KL beta, lr schedule, episodes per step, and the",
+        "episodes it sampled in all (from the per-step signal each result stores: `per_step`).",
+        "",
+        "| task | target | metric | n | chance | solver | before | after warm-up | after | seeds: after each | gain over chance (95% CI) | gain over before (95% CI) | RL over placebo (95% CI) | mean@k before -> after | tool calls | turns | steps | recipe | train min | met | CPU; precision | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for row in rows:
         r = newest.get(row.name)
@@ -93,7 +100,7 @@ def render(
         if r is None:
             lines.append(
                 f"| {row.task} | {row.target} | {metric} | {row.not_run or 'not measured yet'} | "
-                f"{chance_cell} | {solver_cell} |{' |' * 14}"
+                f"{chance_cell} | {solver_cell} |{' |' * 16}"
             )
             continue
         k = r["k"]
@@ -113,6 +120,11 @@ def render(
                 f"; RL alone {100 * r['rl_gain']:+.1f} ({100 * rl_low:+.1f}, {100 * rl_high:+.1f})"
             )
         steps = ", ".join(str(s["steps"]) for s in r["seeds"])
+        placebo = ""
+        if r.get("over_placebo") is not None:
+            p_low, p_high = r["over_placebo_ci95"]
+            placebo = (f"{100 * r['over_placebo']:+.1f} pts ({100 * p_low:+.1f}, "
+                       f"{100 * p_high:+.1f}); placebo after {r['after_placebo']:.1%}")  # fmt: skip
         changed = rand is not None and heldout_changed(r, rand)
         over_chance = None
         if changed:
@@ -130,9 +142,9 @@ def render(
         lines.append(
             f"| {r['task']} | {r['target']} | {metric} | {r['n']} | {chance_cell} | "
             f"{solver_cell} | {r['before']:.1%} | {'' if warm is None else f'{warm:.1%}'} | "
-            f"{r['after']:.1%} | {seeds_lib.spread_text(r)} | {chance_gain} | {gain} | {mean_k} | "
-            f"{r['tool_call_rate_after']:.0%} | {r['turns_after']:.1f} | {steps} | "
-            f"{r['train_minutes']:.1f} | {verdict} | {r['cpu']}; "
+            f"{r['after']:.1%} | {seeds_lib.spread_text(r)} | {chance_gain} | {gain} | "
+            f"{placebo} | {mean_k} | {r['tool_call_rate_after']:.0%} | {r['turns_after']:.1f} | "
+            f"{steps} | {recipe_text(r)} | {r['train_minutes']:.1f} | {verdict} | {r['cpu']}; "
             f"{r.get('precision', PRECISION_BEFORE_IT_WAS_RECORDED)} | "
             f"`{r['command']}` |"
         )
@@ -141,6 +153,18 @@ def render(
     if notes_path.exists():
         lines.append(f"What was tried per row, and what each attempt measured: {notes_path.name}.")
     return "\n".join(lines) + "\n"
+
+
+def recipe_text(result: dict[str, Any]) -> str:
+    """The RL run's recipe cell: lr, beta, schedule, episodes per step and in all (results from
+    before they stored a recipe: empty)."""
+    recipe = result.get("recipe")
+    if not recipe:
+        return ""
+    total = recipe.get("episodes")
+    text = (f"lr {recipe['learning_rate']:g}, beta {recipe['beta']:g}, {recipe['lr_schedule']}, "
+            f"{recipe['episodes_per_step']}/step")  # fmt: skip
+    return text + (f", {total:.0f} in all" if total is not None else "")
 
 
 def _rate_text(record: dict[str, Any] | None, missing: str) -> str:

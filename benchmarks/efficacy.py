@@ -465,12 +465,51 @@ def row_result(
         "command": f"python benchmarks/efficacy.py --rows {row.name} "
         f"--budget-minutes {budget_minutes:g} --n {n} --k {k}" + extra_args,
     }
+    result["recipe"] = recipe_of(cfg)
+    if trained is not None and (trained / "metrics.jsonl").exists():
+        result["per_step"] = per_step_signal(trained)
+        result["recipe"]["episodes"] = sum(s.get("signal/episodes", 0) for s in result["per_step"])
     if "ids" in after:  # per instance, so any interval (against chance too) can be recomputed
         result["heldout_sha"] = chance_lib.ids_sha(list(after["ids"]))
         result["per_instance"] = {"ids": after["ids"], "before": before["pass1"],
                                   "after": after["pass1"]}  # fmt: skip
     print(f"[{row.name}] {json.dumps(result)}", flush=True)
     return result
+
+
+# What every RL step of a row's run stores beside its result (issue 62): whether it carried signal.
+STEP_SIGNAL = ("learning_rate", "lr_horizon_steps", "reward", "grad_norm", "entropy",
+               "update/relative_norm", "update/no_signal", "rollout/filter_kept_ratio",
+               "step_time")  # fmt: skip
+
+
+def per_step_signal(run_dir: Path) -> list[dict[str, Any]]:
+    """One entry per RL step of the run in `run_dir` (its metrics.jsonl): the step, its signal/*
+    metrics (episodes, successes, groups with a reward / success contrast, kept groups and their
+    all-equal share) and STEP_SIGNAL (lr in force, update norm relative to the weights, ...)."""
+    from rlvr.observe.tracking import read_metrics
+
+    out = []
+    for m in read_metrics(run_dir):
+        if "step_time" not in m:  # eval rows and alert events
+            continue
+        entry = {"step": m["step"]}
+        entry.update({k: v for k, v in m.items() if k.startswith("signal/") or k in STEP_SIGNAL})
+        out.append(entry)
+    return out
+
+
+def recipe_of(cfg: Any) -> dict[str, Any]:
+    """The RL recipe a row ran with, for the table: lr, beta, schedule, episodes per step."""
+    return {
+        "learning_rate": cfg.train.learning_rate,
+        "beta": cfg.objective.beta,
+        "lr_schedule": cfg.train.lr_schedule,
+        "scale_rewards": cfg.objective.scale_rewards,
+        "credit": cfg.objective.credit,
+        "placebo": cfg.objective.placebo,
+        "episodes_per_step": cfg.sampling.group_size * cfg.sampling.prompts_per_step,
+    }
 
 
 def precision_text(cfg: Any, trained: Path | None = None) -> str:
@@ -506,6 +545,7 @@ def measure_warmup(
     cache: Any = None,
     warmup_from: Path | None = None,
     warmup_only: bool = False,
+    known_warm: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """A warm-up row: the pipeline's stages before its RL stage, timed; then the RL stage with the
     rest of the budget; the base, the warm-up's model and the end scored on the same held-out
@@ -516,7 +556,8 @@ def measure_warmup(
     `warmup_from`: the run directory of an earlier `warmup_only` run of this row: its finished
     warm-up stages are reused (their markers copied; the models stay where they are), so several
     RL seeds and their placebo arms start from one and the same clone. `warmup_only`: run the
-    warm-up stages into the run directory and stop (returns None)."""
+    warm-up stages into the run directory and stop (returns None). `known_warm`: the warm-up
+    model's scores already measured (a placebo arm from its real arm's clone and seed)."""
     from rlvr.evaluate_cli import load_model
     from rlvr.models import load_policy
     from rlvr.observe.tracking import read_metrics
@@ -566,13 +607,16 @@ def measure_warmup(
         print(f"[{row.name}] warm-up done: --warmup-from {run_dir}", flush=True)
         return None
     warm_minutes = sum(r.get("wall_minutes", 0.0) for r in warm_rows)
-    warm = per_instance_scores(load_policy(warm_rows[-1]["model_dir"]), rl_cfg, EXAMPLES, n, k)
+    warm = known_warm or per_instance_scores(
+        load_policy(warm_rows[-1]["model_dir"]), rl_cfg, EXAMPLES, n, k
+    )
     print(f"[{row.name}] after warm-up: pass@1 {statistics.fmean(warm['pass1']):.1%}", flush=True)
     cfg, _ = load(max(budget_minutes - warm_minutes, 1.0))
     rl_row = run_pipeline(cfg, config_dir=EXAMPLES)[-1]
     policy, _ = load_model(str(run_dir / rl_name))
     after = per_instance_scores(policy, rl_cfg, EXAMPLES, n, k)
-    steps = max((m["step"] for m in read_metrics(run_dir / rl_name) if "loss" in m), default=0)
+    # Every RL step (one with no signal has no loss: it took no optimizer step).
+    steps = max((m["step"] for m in read_metrics(run_dir / rl_name) if "step_time" in m), default=0)
     args = "".join(f" --set {e}" for e in extra) + "".join(
         f" --warmup-set {e}" for e in warmup_extra
     )
@@ -594,6 +638,40 @@ def measure_warmup(
         "warmup_metrics": {key: v for r in warm_rows[1:] for key, v in r["metrics"].items()},
     })  # fmt: skip
     print(f"[{row.name}] {json.dumps(result)}", flush=True)
+    return result
+
+
+PLACEBO = "objective.placebo=shuffle_within_group"
+
+
+def warm_of(result: dict[str, Any]) -> dict[str, Any]:
+    """A warm-up row's scores of its warm-up model, as per_instance_scores gave them."""
+    k = result["k"]
+    return {"pass1": result["per_instance"]["after_warmup"],
+            f"mean@{k}": result.get(f"mean@{k}_after_warmup")}  # fmt: skip
+
+
+def attach_placebo(result: dict[str, Any], placebo: dict[str, Any]) -> dict[str, Any]:
+    """The real arm's result with its placebo arm (same row, seed and warm-up, rewards shuffled
+    within groups) folded in: the placebo's after, per instance, and the real arm's gain over it
+    with a paired 95% interval over instances: what the reward itself taught."""
+    k = result["k"]
+    real_after, placebo_after = result["per_instance"]["after"], placebo["per_instance"]["after"]
+    if result["per_instance"]["ids"] != placebo["per_instance"]["ids"]:
+        raise SystemExit(f"[{result['row']}] placebo arm scored other instances than the real arm")
+    low, high = paired_bootstrap_ci(placebo_after, real_after)
+    result["per_instance"]["after_placebo"] = placebo_after
+    result["placebo"] = {key: placebo.get(key) for key in
+                         ("after", f"mean@{k}_after", "steps", "train_minutes", "per_step",
+                          "recipe", "command")}  # fmt: skip
+    result["after_placebo"] = placebo["after"]
+    result[f"mean@{k}_after_placebo"] = placebo.get(f"mean@{k}_after")
+    result["over_placebo"] = result["after"] - placebo["after"]
+    result["over_placebo_ci95"] = [low, high]
+    result["command"] += " --placebo"
+    print(
+        f"[{result['row']}] RL over placebo {result['over_placebo']:+.3f} ({low:+.3f}, {high:+.3f})"
+    )
     return result
 
 
@@ -751,6 +829,12 @@ def main() -> None:
         help="warm-up rows: reuse the finished warm-up stages of this --warmup-only run directory, "
         "so every seed (and placebo arm) trains RL from one clone",
     )
+    parser.add_argument(
+        "--placebo",
+        action="store_true",
+        help="after each real run, a placebo arm from the same warm-up and seed with rewards "
+        "shuffled within groups (objective.placebo); the table shows RL over placebo",
+    )
     parser.add_argument("--base-cache", type=Path, help="default: efficacy-cache by --runs-dir")
     parser.add_argument("--no-base-cache", action="store_true", help="score the base model again")
     parser.add_argument(
@@ -796,14 +880,31 @@ def main() -> None:
                 if args.warmup_only:
                     measure_warmup(*measure_args, args.warmup_extra, cache, warmup_only=True)
                     break  # one clone, whatever the seeds
+                warmup_args = [*args.warmup_extra, *seeded]
                 result = (
-                    measure_warmup(
-                        *measure_args, [*args.warmup_extra, *seeded], cache, args.warmup_from
-                    )
+                    measure_warmup(*measure_args, warmup_args, cache, args.warmup_from)
                     if row.pipeline
                     else measure(*measure_args, cache)
                 )
                 assert result is not None
+                if args.warmup_from is not None:
+                    result["command"] += f" --warmup-from {args.warmup_from}"
+                if args.placebo:
+                    arm = (row, args.budget_minutes, args.n, args.k, runs / "placebo",
+                           [*extra, PLACEBO])  # fmt: skip
+                    placebo = (
+                        measure_warmup(
+                            *arm,
+                            warmup_args,
+                            cache,
+                            args.warmup_from or runs / name,
+                            known_warm=warm_of(result),
+                        )
+                        if row.pipeline
+                        else measure(*arm, cache)
+                    )
+                    assert placebo is not None
+                    result = attach_placebo(result, placebo)
                 with args.results.open("a") as f:
                     f.write(json.dumps(result) + "\n")
                 args.out.write_text(

@@ -165,8 +165,33 @@ def test_a_warmup_row_reports_the_warmup_apart(efficacy: ModuleType, tmp_path: P
         "--warmup-set", "train.steps=2", "--warmup-set", "train.max_length=4096",
         "--warmup-set", "env_demos.episodes=6",  # the demos stage's key, not its config's
     ]  # fmt: skip
-    run_efficacy(efficacy, argv)
+    # The clone once (--warmup-only), then the RL arm and its placebo arm both from it.
+    clone = tmp_path / "clone"
+    run_efficacy(efficacy, [*argv, "--warmup-only", "--runs-dir", str(clone)])
+    assert not results.exists()  # a warm-up alone is no row
+    (marker,) = (clone / "frozenlake-warmup").glob("*/stage.json")
+    run_efficacy(efficacy, [*argv, "--warmup-from", str(clone / "frozenlake-warmup"), "--placebo"])
     (row,) = [json.loads(line) for line in results.read_text().splitlines()]
+    for arm in (
+        tmp_path / "runs" / "frozenlake-warmup",
+        tmp_path / "runs" / "placebo" / "frozenlake-warmup",
+    ):
+        # Each arm reused the clone's finished stage ("done earlier"): its model is the clone's.
+        assert (arm / marker.parent.name / "stage.json").read_text() == marker.read_text()
+        assert not (arm / marker.parent.name / "model").exists()
+    assert row["placebo"]["recipe"]["placebo"] == "shuffle_within_group"
+    assert row["recipe"]["placebo"] == "none" and row["recipe"]["learning_rate"] > 0
+    assert row["over_placebo"] == pytest.approx(row["after"] - row["after_placebo"])
+    assert row["over_placebo_ci95"][0] <= row["over_placebo"] <= row["over_placebo_ci95"][1]
+    assert len(row["per_instance"]["after_placebo"]) == 3
+    # The per-step signal of each arm's one RL step, stored with the result.
+    for steps in (row["per_step"], row["placebo"]["per_step"]):
+        (step,) = steps
+        assert step["step"] == 1 and step["signal/episodes"] == row["recipe"]["episodes_per_step"]
+        assert 0 <= step["signal/groups_success_contrast"] <= step["signal/groups"]
+        assert "learning_rate" in step and "signal/kept_all_equal_frac" in step
+    assert row["recipe"]["episodes"] == row["per_step"][0]["signal/episodes"]
+    assert "--placebo" in row["command"] and "--warmup-from" in row["command"]
     assert row["row"] == "frozenlake-warmup" and row["n"] == 3 and row["steps"] == 1
     assert 0.0 <= row["after_warmup"] <= 1.0
     assert row["rl_gain"] == pytest.approx(row["after"] - row["after_warmup"])
@@ -177,7 +202,8 @@ def test_a_warmup_row_reports_the_warmup_apart(efficacy: ModuleType, tmp_path: P
     assert "--warmup-set env_demos.episodes=6" in row["command"]
     table = out.read_text()
     line = next(li for li in table.splitlines() if li.startswith("| frozenlake 4x4, not slippery;"))
-    assert "RL alone" in line and line.count("|") == 21  # 20 columns
+    assert "RL alone" in line and "placebo after" in line and "/step" in line
+    assert line.count("|") == 23  # 22 columns
 
 
 def test_an_env_demos_key_needs_a_stage_that_plays_demos(
@@ -633,7 +659,8 @@ def test_a_row_on_three_seeds_shows_their_mean_and_spread(efficacy: ModuleType) 
     assert text == "3 (seeds 0, 1, 2): 50.0 / 75.0 / 75.0%; sd 14.4 pts"
     line = next(li for li in efficacy.render(results).splitlines() if li.startswith("| arithmetic"))
     assert "| 66.7% | 3 (seeds 0, 1, 2): 50.0 / 75.0 / 75.0%; sd 14.4 pts |" in line
-    assert "| 30, 30, 29 | 6.0 | no |" in line  # each seed's steps, the slowest seed's minutes
+    # each seed's steps, (no recipe stored), the slowest seed's minutes
+    assert "| 30, 30, 29 |  | 6.0 | no |" in line
 
 
 @pytest.mark.parametrize(
@@ -669,7 +696,8 @@ def test_the_seeds_flag_measures_the_row_once_per_seed(
         return seed_result(seed, [1.0, 0.0, 0.0, 0.0] if seed == 0 else [1.0, 1.0, 0.0, 0.0])
 
     def fake_warmup(row: Any, budget: float, n: int, k: int, runs: Path, extra: list[str],
-                    warmup_extra: list[str], cache: Any = None) -> dict:  # fmt: skip
+                    warmup_extra: list[str], cache: Any = None,
+                    warmup_from: Any = None) -> dict:  # fmt: skip
         told.append((extra, warmup_extra))
         return {**seed_result(int(extra[-1].split("=")[1]), [0.0] * 4), "row": row.name}
 
