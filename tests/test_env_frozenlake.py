@@ -58,18 +58,22 @@ def test_moves_and_edges() -> None:
     env = FrozenLakeEnv(make_task(LAKE))
     out = env.step(answer("Right"))
     assert env.player == (0, 1)
-    assert out.rewards == {"success": 0.0, "no_effect": 0.0, "invalid_action": 0.0}
+    # potential: 6 -> 5 moves from the goal on 16 cells, +1/16 (tests/test_shaping.py)
+    assert out.rewards == {"success": 0.0, "no_effect": 0.0, "invalid_action": 0.0,
+                           "potential": 1 / 16}  # fmt: skip
     assert not out.done
     assert out.messages[0]["role"] == "user"
     assert "You moved Right.\nF P F F" in out.messages[0]["content"]
     out = env.step(answer("up"))  # the top edge: valid, no effect, no penalty by default
     assert env.player == (0, 1)
     assert out.info["no_effect"] == 1
-    assert out.rewards == {"success": 0.0, "no_effect": 1.0, "invalid_action": 0.0}
+    assert out.rewards == {"success": 0.0, "no_effect": 1.0, "invalid_action": 0.0,
+                           "potential": 0.0}  # fmt: skip
     assert FrozenLakeFamily.reward_weights["no_effect"] == 0.0  # logged, not optimised
     assert "edge" in out.messages[0]["content"]
     out = env.step("Up, I think")  # invalid: no move was made, so no edge push either
-    assert out.rewards == {"success": 0.0, "no_effect": 0.0, "invalid_action": 1.0}
+    assert out.rewards == {"success": 0.0, "no_effect": 0.0, "invalid_action": 1.0,
+                           "potential": 0.0}  # fmt: skip
 
 
 def test_winning_sequence_succeeds() -> None:
@@ -85,7 +89,9 @@ def test_hole_loses_and_ends() -> None:
     env.step(answer("Right"))
     out = env.step(answer("Down"))
     assert out.done and out.messages == []
-    assert out.rewards == {"success": 0.0, "no_effect": 0.0, "invalid_action": 0.0}
+    # The hole (1, 1) counts 1 + its nearest ice's 3 = 4 moves, the cell left 5: +1/16.
+    assert out.rewards == {"success": 0.0, "no_effect": 0.0, "invalid_action": 0.0,
+                           "potential": 1 / 16}  # fmt: skip
     assert out.info["fell"] == 1
     with pytest.raises(RuntimeError):
         env.step(answer("Up"))
@@ -99,7 +105,8 @@ def test_invalid_action_is_penalised_and_changes_nothing(text: str, why: str) ->
     env = FrozenLakeEnv(make_task(LAKE))
     out = env.step(text)
     assert env.player == (0, 0)
-    assert out.rewards == {"success": 0.0, "no_effect": 0.0, "invalid_action": 1.0}
+    assert out.rewards == {"success": 0.0, "no_effect": 0.0, "invalid_action": 1.0,
+                           "potential": 0.0}  # fmt: skip
     assert out.info == {"invalid_action": 1, "state_key": (0, 0)}
     assert not out.done
     content = out.messages[0]["content"]

@@ -54,12 +54,17 @@ def test_push_box_onto_target_wins() -> None:
     env = env_for(LEVEL)
     out = env.step(answer("Right"))
     assert env.room.player == (2, 3) and env.room.boxes == {(2, 4)}
-    assert out.rewards == {"success": 0.0, "invalid_action": 0.0, "boxes_on_target": 0.0}
+    # potential: the box 2 -> 1 moves from its target, on 15 floor cells: +1/15
+    assert out.rewards == pytest.approx(
+        {"success": 0.0, "invalid_action": 0.0, "boxes_on_target": 0.0, "potential": 1 / 15}
+    )
     assert "You moved Right and pushed a box." in out.messages[0]["content"]
     assert "# _ _ P X O #" in out.messages[0]["content"]
     out = env.step(answer("right"))
     assert out.done and out.messages == []
-    assert out.rewards == {"success": 1.0, "invalid_action": 0.0, "boxes_on_target": 1.0}
+    assert out.rewards == pytest.approx(
+        {"success": 1.0, "invalid_action": 0.0, "boxes_on_target": 1.0, "potential": 1 / 15}
+    )
     with pytest.raises(RuntimeError):
         env.step(answer("Left"))
 
@@ -117,7 +122,9 @@ def test_invalid_action_is_penalised_and_changes_nothing(text: str, why: str) ->
     env = env_for(LEVEL)
     out = env.step(text)
     assert env.room.rows() == LEVEL
-    assert out.rewards == {"success": 0.0, "invalid_action": 1.0, "boxes_on_target": 0.0}
+    assert out.rewards == {
+        "success": 0.0, "invalid_action": 1.0, "boxes_on_target": 0.0, "potential": 0.0
+    }  # fmt: skip
     assert out.info == {"invalid_action": 1, "state_key": ((2, 2), ((2, 3),))}
     assert not out.done
     assert why in out.messages[0]["content"]
@@ -168,6 +175,7 @@ def test_family_metadata() -> None:
         "success": 1.0,
         "invalid_action": -0.1,
         "boxes_on_target": 0.0,
+        "potential": 0.0,
     }
     assert SokobanFamily.example_config == "examples/env_sokoban.yaml"
 

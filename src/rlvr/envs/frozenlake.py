@@ -27,6 +27,18 @@ Instances: start and goal are two random cells, every other cell is a hole with 
 `hole_fraction`; the map is redrawn from the same rng until BFS finds a path of 2 to max_turns - 2
 moves, so every instance is solvable without slips within the env's turn cap.
 
+Shaping (`potential`, weight 0: logged, opt-in with `task.env.reward_weights.potential`, e.g.
+0.5): potential-based reward shaping (Ng, Harada & Russell 1999) on the BFS distance to the goal,
+Phi(cell) = -(moves to G over non-hole cells) / (cells in the lake), each turn earning
+Phi(after) - Phi(before) (gamma 1): +1/16 a move closer on a 4x4 lake, -1/16 a move away, 0 into
+the edge. An episode's shaping telescopes to Phi(last) - Phi(start); the start is shared by a
+group, so it only ranks the group's failures by where they ended (a hole counts its distance too:
+a fall beside the goal ended closer than one beside the start), and under turn or GiGPO credit it
+acts as a state baseline. The goal's potential is 0 and no other is higher, so whatever the
+weight w a win earns 1 - w Phi(last) more than any failed episode from the same start; Ng et al.'s
+guarantee for every MDP (slippery ice included) needs every terminal potential 0, which would pay
+a fall as much as a win on this part, so it is not claimed for slippery ice.
+
 Observation (`observation`): "grid" shows the lake as text, as RAGEN does; "positions" adds a line
 naming the player's and the goal's row and column and what each move would step onto (ice, hole,
 goal or the edge), for models too small to read a text grid.
@@ -106,6 +118,37 @@ def solve_frozenlake(rows: Sequence[str]) -> list[str] | None:
                 came[nxt] = (cell, move)
                 queue.append(nxt)
     return None
+
+
+def goal_distances(rows: Sequence[str]) -> dict[Cell, int]:
+    """Moves from each cell to the goal G over cells that are not holes (BFS outward from G); a
+    hole gets 1 + its nearest non-hole neighbour's distance (where the episode ended, how far from
+    the goal). Cells that cannot reach the goal are left out."""
+    n = len(rows)
+    goal = next((r, c) for r in range(n) for c in range(n) if rows[r][c] == "G")
+    dist = {goal: 0}
+    queue = deque([goal])
+    holes: dict[Cell, int] = {}
+    while queue:
+        cell = queue.popleft()
+        for dr, dc in MOVES.values():
+            r, c = nxt = (cell[0] + dr, cell[1] + dc)
+            if not (0 <= r < n and 0 <= c < n) or nxt in dist:
+                continue
+            if rows[r][c] == "H":
+                holes.setdefault(nxt, dist[cell] + 1)
+                continue
+            dist[nxt] = dist[cell] + 1
+            queue.append(nxt)
+    return {**holes, **dist}
+
+
+def lake_potential(rows: Sequence[str], cell: Cell) -> float:
+    """Phi(cell) = -(moves to the goal) / (cells in the lake): 0 at the goal, in (-1, 0] on every
+    cell that reaches it, -1 where the goal cannot be reached. The potential of the `potential`
+    reward part (FrozenLakeEnv.step)."""
+    area = len(rows) * len(rows[0])
+    return -goal_distances(rows).get(cell, area) / area
 
 
 def latest_grid(task: Task, messages: Sequence[Message], alphabet: str) -> list[str]:
@@ -200,7 +243,7 @@ SPEC = GymSpec(
     render=_render_state,
     parse=_parse_action,
     rewards=_success,
-    reward_parts=("success", "no_effect"),  # no_effect: set by FrozenLakeEnv.step
+    reward_parts=("success", "no_effect", "potential"),  # the last two: FrozenLakeEnv.step
     instruction=ANSWER_FORMAT,
 )
 SPEC_WITH_POSITIONS = dataclasses.replace(SPEC, render=_render_with_positions)
@@ -241,8 +284,15 @@ class FrozenLakeEnv(GymEnv):
         super().__init__(task, spec, seed=seed)
 
     def step(self, assistant_text: str) -> EnvStep:
+        self.start()
+        before = self._cell(self.observation)
         out = super().step(assistant_text)
         out.rewards["no_effect"] = float(out.info.get("no_effect", 0))  # a push into the edge
+        # Potential-based shaping (Ng, Harada & Russell 1999), gamma 1: Phi(after) - Phi(before),
+        # so an episode's sum telescopes to Phi(last cell) - Phi(start cell) (module docstring).
+        rows = [str(r) for r in self.task.fields["rows"]]
+        after = self._cell(self.observation)
+        out.rewards["potential"] = lake_potential(rows, after) - lake_potential(rows, before)
         return out
 
     def state_key(self, observation: Any) -> Cell:
@@ -329,6 +379,7 @@ class FrozenLakeFamily(EnvFamily):
         "success": 1.0,
         "invalid_action": -0.1,
         "no_effect": 0.0,  # logged; a negative weight shapes against edge pushes
+        "potential": 0.0,  # logged; a positive weight turns on the distance shaping
     }
     example_config: ClassVar[str] = "examples/env_frozenlake.yaml"
 

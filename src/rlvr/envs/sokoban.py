@@ -11,6 +11,14 @@ episode over). An answer that is missing or not one of the four moves changes no
 `invalid_action` 1.0 (weight -0.1). `boxes_on_target` (weight 0, logged) is the change this turn in
 the fraction of boxes on targets, so its sum over an episode is the net progress.
 
+Shaping (`potential`, weight 0: logged, opt-in with `task.env.reward_weights.potential`, e.g.
+0.5): potential-based reward shaping (Ng, Harada & Russell 1999) on box-to-target distance,
+Phi = -(sum over boxes of BFS moves to the nearest target, walls blocking) / (boxes x floor cells),
+each turn earning Phi(after) - Phi(before) (gamma 1). An episode's shaping telescopes to
+Phi(last) - Phi(start): 0 - Phi(start) for every solved episode, so it ranks unsolved episodes by
+how near their boxes ended and leaves the solved ones' order alone; Phi is 0 only when solved, so
+whatever the weight a solved episode outscores every unsolved one from the same start.
+
 Instances are solvable by construction ("reverse play", as in the generator RAGEN borrows from
 gym-sokoban): random inner walls (keeping the floor connected), boxes placed on targets, then random
 reverse moves in which the player walks and sometimes pulls a box. Levels that start solved are
@@ -106,6 +114,31 @@ def push(walls: frozenset[Cell], player: Cell, boxes: frozenset[Cell], move: str
     return nxt, boxes
 
 
+def target_distances(
+    walls: frozenset[Cell], targets: frozenset[Cell], shape: Cell
+) -> dict[Cell, int]:
+    """Moves from each floor cell to the nearest target, walls blocking, other boxes ignored (BFS
+    outward from every target at once). Cells that reach no target are left out."""
+    dist = dict.fromkeys(targets, 0)
+    queue = deque(targets)
+    while queue:
+        cell = queue.popleft()
+        for dr, dc in MOVES.values():
+            r, c = nxt = (cell[0] + dr, cell[1] + dc)
+            if 0 <= r < shape[0] and 0 <= c < shape[1] and nxt not in walls and nxt not in dist:
+                dist[nxt] = dist[cell] + 1
+                queue.append(nxt)
+    return dist
+
+
+def room_potential(room: Room, distances: Mapping[Cell, int] | None = None) -> float:
+    """Phi(room) = -(sum over boxes of moves to the nearest target) / (boxes x floor cells): 0 when
+    solved, in (-1, 0) otherwise. The potential of the `potential` reward part (SokobanEnv.step)."""
+    dist = distances or target_distances(room.walls, room.targets, room.shape)
+    floor = room.shape[0] * room.shape[1] - len(room.walls)
+    return -sum(dist.get(b, floor) for b in room.boxes) / (len(room.boxes) * floor)
+
+
 def solve_sokoban(rows: Sequence[str], max_nodes: int = 200_000) -> list[str] | None:
     """A shortest list of moves that puts every box on a target; None if none was found within
     `max_nodes` visited states (BFS over (player, boxes))."""
@@ -177,6 +210,7 @@ class SokobanEnv(Env):
     def __init__(self, task: Task) -> None:
         self.task = task
         self.room = Room([str(r) for r in task.fields["rows"]])
+        self.distances = target_distances(self.room.walls, self.room.targets, self.room.shape)
         self.done = False
 
     def render(self) -> str:
@@ -192,13 +226,14 @@ class SokobanEnv(Env):
         if self.done:
             raise RuntimeError("step() called after the episode ended")
         move, problem = parse_move(assistant_text)
-        rewards = {"success": 0.0, "invalid_action": 0.0, "boxes_on_target": 0.0}
+        rewards = {"success": 0.0, "invalid_action": 0.0, "boxes_on_target": 0.0, "potential": 0.0}
         info: dict[str, Any] = {}
         if move is None:
             rewards["invalid_action"], info["invalid_action"] = 1.0, 1
             note = problem
         else:
             before = self.on_target()
+            phi_before = room_potential(self.room, self.distances)
             moved = push(self.room.walls, self.room.player, self.room.boxes, move)
             if moved is None:
                 note, info["no_effect"] = f"You tried {move} but it is blocked; nothing moved.", 1
@@ -207,6 +242,8 @@ class SokobanEnv(Env):
                 self.room.player, self.room.boxes = moved
                 note = f"You moved {move}{' and pushed a box' if pushed else ''}."
             rewards["boxes_on_target"] = self.on_target() - before
+            # Potential-based shaping (Ng et al. 1999), gamma 1: telescopes over the episode.
+            rewards["potential"] = room_potential(self.room, self.distances) - phi_before
             if self.room.solved():
                 self.done = True
                 rewards["success"] = 1.0
@@ -247,6 +284,7 @@ class SokobanFamily(EnvFamily):
         "success": 1.0,
         "invalid_action": -0.1,
         "boxes_on_target": 0.0,
+        "potential": 0.0,  # logged; a positive weight turns on the distance shaping
     }
     example_config: ClassVar[str] = "examples/env_sokoban.yaml"
 
