@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from rlvr.errors import ConfigError
-from rlvr.observe.compare import compare_runs, summary_rows
+from rlvr.observe.compare import compare_runs, summary_markdown, summary_rows
 from rlvr.observe.report import write_report
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -257,8 +257,24 @@ def test_compare_numbers_and_files(tmp_path: Path) -> None:
     assert all((html_path.parent / s).is_file() for s in srcs)
     assert "not logged by a/run" in html_path.read_text()  # only b has a KL curve
     md = (tmp_path / "cmp" / "compare.md").read_text()
-    assert "| a/run | grpo | some/model | 10 | 0.800 | 0.900 | 0.900 | 1.600 | 105 s |" in md
+    assert "| a/run | grpo | some/model | 10 | 0.800 | 0.900 | 0.900 | - | 1.600 | 105 s |" in md
     assert all(f"]({s})" in md for s in srcs)
+
+
+def test_compare_gives_the_gain_over_a_placebo_run(tmp_path: Path) -> None:
+    real = make_run(tmp_path / "real", steps=10)
+    placebo = make_run(tmp_path / "placebo", steps=10)
+    # The placebo arm ends at 0.75 held-out (its last eval row), the real arm at 0.9.
+    rows = [json.loads(line) for line in (placebo / "metrics.jsonl").read_text().splitlines()]
+    rows[-1]["eval/accuracy"] = 0.75
+    write_jsonl(placebo / "metrics.jsonl", rows)
+    config = (placebo / "config.yaml").read_text()
+    (placebo / "config.yaml").write_text(config + "objective: {placebo: shuffle_within_group}\n")
+    a, b = summary_rows([real, placebo])
+    assert b.placebo and not a.placebo and a.over_placebo == pytest.approx(0.15)
+    md = summary_markdown(summary_rows([real, placebo]))
+    assert "| 0.900 | +0.150 |" in md and "| 0.750 | placebo |" in md
+    assert summary_rows([real])[0].over_placebo is None  # no placebo given: no column value
 
 
 # ---------------------------------------------------------------- a real run, in a real browser

@@ -12,6 +12,7 @@ alert rows and keys as `Alert`s, config.yaml) and holds the plot and page pieces
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import math
@@ -145,6 +146,9 @@ class RunSummary:
     final_accuracy: float | None  # last `eval/accuracy`
     final_entropy: float | None  # mean `entropy` over the last 5 logged steps
     wall_seconds: float | None  # last `time` - first `time`; sum of `step_time` without two times
+    placebo: bool = False  # trained with objective.placebo (rewards shuffled within groups)
+    # final_accuracy less the placebo run's, when a placebo run is compared alongside (compare)
+    over_placebo: float | None = None
 
 
 def _tail_mean(run: RunData, key: str, n: int = 5) -> float | None:
@@ -170,15 +174,18 @@ def summary_row(run: RunData, label: str | None = None) -> RunSummary:
         final_accuracy=acc[-1] if acc else None,
         final_entropy=_tail_mean(run, "entropy"),
         wall_seconds=wall,
+        placebo=(run.config.get("objective") or {}).get("placebo", "none") != "none",
     )
 
 
 SUMMARY_HEADERS = (
     "run", "algorithm", "model", "steps", "final reward", "best acc", "final acc",
-    "final entropy", "wall time",
+    "gain over placebo", "final entropy", "wall time",
 )  # fmt: skip
 SUMMARY_NOTE = (
     "final reward and entropy: mean of the last 5 logged steps; acc: held-out eval/accuracy; "
+    "gain over placebo: final acc less that of the placebo run compared alongside (rewards "
+    "shuffled within groups: the part of a gain the reward taught); "
     "wall time: first to last time stamp in metrics.jsonl"
 )
 
@@ -191,17 +198,21 @@ def duration(seconds: float | None) -> str:
     return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
-def fmt(value: float | None, digits: int = 3) -> str:
+def fmt(value: float | None, digits: int = 3, signed: bool = False) -> str:
     if value is None or not math.isfinite(value):
         return "-"
-    return f"{value:.{digits}g}" if value and abs(value) < 1e-3 else f"{value:.{digits}f}"
+    sign = "+" if signed else ""
+    return (
+        f"{value:{sign}.{digits}g}" if value and abs(value) < 1e-3 else f"{value:{sign}.{digits}f}"
+    )
 
 
 def summary_cells(row: RunSummary) -> list[str]:
     return [
         row.run, row.algorithm, row.model, str(row.steps), fmt(row.final_reward),
-        fmt(row.best_accuracy), fmt(row.final_accuracy), fmt(row.final_entropy),
-        duration(row.wall_seconds),
+        fmt(row.best_accuracy), fmt(row.final_accuracy),
+        "placebo" if row.placebo else fmt(row.over_placebo, signed=True),
+        fmt(row.final_entropy), duration(row.wall_seconds),
     ]  # fmt: skip
 
 
@@ -318,8 +329,19 @@ def _load(run_dirs: Sequence[Path]) -> list[tuple[str, RunData]]:
 
 
 def summary_rows(run_dirs: Sequence[Path]) -> list[RunSummary]:
-    """One summary per run, in the order given (see `RunSummary` for what each number is)."""
-    return [summary_row(run, label) for label, run in _load(run_dirs)]
+    """One summary per run, in the order given (see `RunSummary` for what each number is). When
+    a placebo run (`objective.placebo`) is among them, every other run's final held-out accuracy
+    is also given over the first placebo run's (`over_placebo`)."""
+    rows = [summary_row(run, label) for label, run in _load(run_dirs)]
+    placebo = next((r for r in rows if r.placebo and r.final_accuracy is not None), None)
+    if placebo is None or placebo.final_accuracy is None:
+        return rows
+    return [
+        r
+        if r.placebo or r.final_accuracy is None
+        else dataclasses.replace(r, over_placebo=r.final_accuracy - placebo.final_accuracy)
+        for r in rows
+    ]
 
 
 def summary_table(rows: Sequence[RunSummary]) -> Table:
