@@ -35,9 +35,18 @@ The chance column and the solver ceiling (_efficacy_chance.py) need no model: `-
 each env row's random legal policy and scripted solver on its held-out instances (seconds a row) and
 appends them, per instance, to --chance-results; the table reads the newest of each.
 
+A placebo arm (`--placebo`) trains each row once more from the same warm-up and seed with
+`objective.placebo: shuffle_within_group` (rewards shuffled within groups: a real step's size, no
+information); the result gains the placebo's after and "RL over placebo" with its paired interval.
+`--warmup-only` trains a warm-up row's clone once; `--warmup-from DIR` then starts every seed's RL
+(and its placebo arm) from that one clone. Every result stores the RL run's recipe and its per-step
+signal (`per_step`: episodes, successes, groups with a reward / success contrast, lr in force,
+update norm relative to the weights).
+
 Usage: python benchmarks/efficacy.py [--rows arithmetic calculator-1op ...] [--budget-minutes 30]
        [--n 200] [--k 4] [--seeds 0 1 2] [--list] [--warmup-set train.steps=8] [--no-base-cache]
        [--chance-only [--chance-episodes 8]] [--render-only]
+       [--warmup-only | --warmup-from DIR] [--placebo]
        (`make efficacy` runs every row: hours on 2 cores)
 """
 
