@@ -77,7 +77,10 @@ def grpo_advantages(
     rewards gets exactly A = 0. Invalid members get A = 0 and are left out of every mean and std.
     Shapes: rewards_B, valid_B (B,), B = P * group_size, group-major. Returns (B,).
     """
-    scaling = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)  # type: ignore[call-overload]
+    if isinstance(scale_rewards, bool):  # TRL's older spelling
+        scaling = "group" if scale_rewards else "none"
+    else:
+        scaling = scale_rewards
     if scaling not in ("group", "batch", "none"):
         raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
     if rewards_B.numel() % group_size:
