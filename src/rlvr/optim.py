@@ -137,6 +137,12 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         return loss
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an fsdp (DTensor) parameter or state; the tensor itself otherwise."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 @torch.no_grad()
 def adam_step_norms(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
     """(||delta theta||^2, ||theta||^2) of the AdamW step just taken, from the optimizer's state:
@@ -155,16 +161,21 @@ def adam_step_norms(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
     for group in optimizer.param_groups:
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
+        stepped = [
+            optimizer.state[p] for p in group["params"] if "exp_avg" in optimizer.state.get(p, {})
+        ]
+        # Every parameter of a group steps together: one read of the count (a tensor on the
+        # device with fused CUDA AdamW), not a host sync per parameter.
+        t = float(stepped[0]["step"]) if stepped else 0.0
         for p in group["params"]:
             state = optimizer.state.get(p, {})
-            flat = p.detach().reshape(-1)
+            flat = _local(p.detach()).reshape(-1)
             if "exp_avg" not in state:
                 weight_sq.append(flat.float().square().sum())
                 continue
-            t = float(state["step"])
             step_size = lr / (1 - beta1**t)
             correction2 = math.sqrt(1 - beta2**t)
-            m, v = state["exp_avg"].reshape(-1), state["exp_avg_sq"].reshape(-1)
+            m, v = _local(state["exp_avg"]).reshape(-1), _local(state["exp_avg_sq"]).reshape(-1)
             for start in range(0, flat.numel(), LEAN_CHUNK):
                 part = slice(start, start + LEAN_CHUNK)
                 w32 = flat[part].float()

@@ -175,14 +175,15 @@ def policy_update(
             "grad_norm": statistics.fmean(grad_norms) if grad_norms else float("nan"),
             "update/skipped_nonfinite": float(skipped),
             "update/no_signal": 0.0,
-            # ||delta theta|| / ||theta|| over the step(s): how far the weights moved, whatever
-            # the gradient's scale (Adam moves each weight by ~lr); AdamW's own step, not a diff.
-            "update/relative_norm": math.sqrt(update_sq / weight_sq) if weight_sq else math.nan,
             "update/rows_forwarded_frac": prepared.rows_forwarded / prepared.rows_trained,
             "update/rows_trained": float(prepared.rows_trained),
             "update/micro_batches": float(sum(real)),  # this rank's forwards (train.max_tokens_...)
         }
     )
+    if weight_sq and math.isfinite(weight_sq):  # an Adam stepped (not a test's SGD)
+        # ||delta theta|| / ||theta|| over the step(s): how far the weights moved, whatever the
+        # gradient's scale (Adam moves each weight by ~lr); AdamW's own step, not a diff.
+        metrics["update/relative_norm"] = math.sqrt(update_sq / weight_sq)
     seconds = time.perf_counter() - started
     metrics["perf/update_gflops"] = flops / 1e9
     metrics["perf/update_gflops_per_s"] = flops / 1e9 / seconds if seconds > 0 else float("nan")
