@@ -177,6 +177,7 @@ _RUN = [
     "tracking.progress=false",
     "tracking.report_to=none",
     "train.skip_zero_advantage_rows=false",
+    "train.step_without_signal=true",  # the optimizer steps (its states count) whatever the rewards
 ]
 
 
