@@ -163,6 +163,9 @@ def train_once(
             "train.skip_zero_advantage_rows=false",
             # No checkpoint: a 1.5B full fine-tune's is ~18.5 GB (weights and two Adam moments).
             "checkpoint.save_final=false",
+            # Random weights score alike: without this a step would skip its update (no signal),
+            # and the row would time and size no update at all.
+            "train.step_without_signal=true",
             *overrides,
         ],
     )
