@@ -105,7 +105,11 @@ def _run(schedule: str, steps: int, limit: float | None, elapsed: float, done: i
     import time
 
     return SimpleNamespace(
-        cfg=cfg, scheduler=scheduler, start_step=0, first_step_started=time.time() - elapsed
+        cfg=cfg,
+        scheduler=scheduler,
+        start_step=0,
+        first_step_started=time.time() - elapsed,
+        dist=None,
     ), done
 
 

@@ -224,6 +224,8 @@ def fit_schedule_to_time_limit(run: Run, step: int) -> None:
     per_step = elapsed / max(1, step - run.start_step)
     remaining = 60.0 * tc.time_limit_minutes - elapsed
     more = max(0, math.ceil(remaining / per_step)) if per_step > 0 else tc.steps
+    if run.dist is not None:  # rank 0's clock for all: replicas must keep one lr
+        more = int(run.dist.broadcast_object(more))
     schedule.horizon = max(step, min(tc.steps, step + more))
 
 
